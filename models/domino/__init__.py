@@ -1,0 +1,1 @@
+"""The Domino draft: DFlash backbone + causal GRU logit-correction head."""

@@ -1,0 +1,69 @@
+"""The `dominospec` console script: one subcommand per pipeline stage, plus tools.
+
+Every subcommand takes `--params PATH` (default `params.yaml`). A stage subcommand and
+`python pipeline/<stage>.py --params params.yaml` (what dvc.yaml runs) call the same
+library function, `fn(params: Params) -> None`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional, Sequence
+
+from dominospec.config import Params, ParamsError, load_params
+
+# stage name (= params section = pipeline script) -> "module:function" taking Params
+STAGES: dict[str, str] = {
+    "prepare": "dominospec.data.prepare:prepare",
+    "regenerate": "dominospec.data.regenerate:regenerate",
+    "cache": "dominospec.cache.stage:cache",
+}
+
+
+class UserError(RuntimeError):
+    """An error caused by the user's input or environment: printed without a traceback."""
+
+
+def _resolve(spec: str) -> Callable[[Params], None]:
+    module, fn = spec.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _run(fn: Callable[[], None]) -> int:
+    """Run `fn`, turning known user-facing errors into one line on stderr and exit code 2."""
+    from dominospec.target import TargetError
+
+    try:
+        fn()
+    except (ParamsError, UserError, TargetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def stage_main(stage: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `pipeline/<stage>.py`: parse --params, run the stage."""
+    parser = argparse.ArgumentParser(prog=f"pipeline/{stage}.py", description=f"DVC stage `{stage}`")
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    args = parser.parse_args(argv)
+    return _run(lambda: _resolve(STAGES[stage])(load_params(args.params)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`dominospec <command> [--params PATH] ...`"""
+    parser = argparse.ArgumentParser(prog="dominospec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in STAGES:
+        p = sub.add_parser(name, help=f"run the `{name}` stage")
+        p.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    if args.command in STAGES:
+        return _run(lambda: _resolve(STAGES[args.command])(load_params(args.params)))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Typed, frozen view of `params.yaml`: the one file of tunables.
+
+`load_params(path) -> Params` reads the YAML once and builds one frozen dataclass per
+section. Every key must be known and every value must have the declared type; the first
+problem raises `ParamsError` naming the file and the dotted key, before any work starts:
+
+    params.yaml: unknown key 'cache.layres'
+    params.yaml: 'cache.batch_tokens' must be int, got str ('many')
+
+Stage name = pipeline script name = params section. Sections without a stage (`paths`,
+`target`, `mlflow`) are shared by all stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ParamsError(ValueError):
+    """A params file that cannot be used: unknown key, missing key, or wrong type."""
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Every artefact location, written once; dvc.yaml reads these through `${paths.*}`."""
+
+    prepared: str
+    regenerated: str
+    cache: str
+    checkpoints: str
+    draft: str
+    onnx: str
+    metrics: str
+    plots: str
+
+
+@dataclass(frozen=True)
+class TargetParams:
+    """Which target model to load: a hub id, a local HF directory, a GGUF file, or
+    `package:<python package>` for a model shipped inside an installed package."""
+
+    model: str
+    gguf_file: Optional[str]
+    revision: Optional[str]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    device: str  # "auto" | "cpu" | "cuda" | "cuda:N"
+    trust_remote_code: bool
+    mask_token_id: Optional[int]  # None: the target's own mask token, else an unused special token
+
+
+@dataclass(frozen=True)
+class PrepareParams:
+    """Conversations -> tokenized chat-template renderings with assistant loss masks."""
+
+    source: str  # "sharegpt" (packaged ShareGPT V3) | a .json/.jsonl path | "hub:<dataset id>"
+    hub_split: str
+    max_length: int
+    val_fraction: float
+    test_fraction: float
+    split_seed: int
+    num_proc: int
+
+
+@dataclass(frozen=True)
+class RegenerateParams:
+    """Optional: the target rewrites the assistant turns of the train split."""
+
+    enabled: bool
+    max_conversations: Optional[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    batch_size: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """Target hidden-state cache for train and val conversations."""
+
+    num_feature_layers: int
+    layer_ids: Optional[list[int]]  # None: round(1 + i*(L-4)/(n-1)), i < n
+    max_train_conversations: Optional[int]
+    max_val_conversations: Optional[int]
+    batch_tokens: int
+    shard_tokens: int
+    dtype: Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class MlflowParams:
+    """The one MLflow store every stage logs to."""
+
+    tracking_uri: str
+    artifact_location: str
+    experiment: str
+
+
+@dataclass(frozen=True)
+class Params:
+    """All of params.yaml. `source` is the file it was read from (not a key)."""
+
+    paths: Paths
+    target: TargetParams
+    prepare: PrepareParams
+    regenerate: RegenerateParams
+    cache: CacheParams
+    mlflow: MlflowParams
+    source: Path = field(default=Path("params.yaml"), compare=False)
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate a params file -> `Params`; raises `ParamsError` on any problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: no such params file") from None
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML: {err}") from None
+    params = _build(Params, raw, path.name, prefix="", skip={"source"})
+    return dataclasses.replace(params, source=path)
+
+
+def as_flat_dict(params: Params) -> dict[str, Any]:
+    """`Params` -> {"section.key": value}, for MLflow params and metrics files."""
+    flat: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                if f.name != "source":
+                    walk(getattr(obj, f.name), f"{prefix}{f.name}.")
+        else:
+            flat[prefix[:-1]] = obj
+
+    walk(params, "")
+    return flat
+
+
+def _build(cls: type, raw: Any, fname: str, prefix: str, skip: set[str] = frozenset()) -> Any:
+    where = prefix[:-1] or "top level"
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{fname}: '{where}' must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    for key in raw:
+        if key not in names:
+            raise ParamsError(f"{fname}: unknown key '{prefix}{key}'")
+    values = {}
+    for name in names:
+        if name not in raw:
+            raise ParamsError(f"{fname}: missing key '{prefix}{name}'")
+        values[name] = _check(hints[name], raw[name], fname, f"{prefix}{name}")
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, fname: str, key: str) -> Any:
+    """Validate one value against its annotation; returns the (possibly converted) value."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, fname, prefix=f"{key}.")
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for arg in inner:
+            try:
+                return _check(arg, value, fname, key)
+            except ParamsError:
+                continue
+        raise _type_error(fname, key, " or ".join(_name(a) for a in args), value)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ParamsError(f"{fname}: '{key}' must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise _type_error(fname, key, f"list[{_name(item)}]", value)
+        return [_check(item, v, fname, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise _type_error(fname, key, "mapping", value)
+        return {_check(kt, k, fname, key): _check(vt, v, fname, f"{key}.{k}") for k, v in value.items()}
+    if hint is float:
+        # YAML reads `1e-4` as a string and `1` as an int; accept both as floats.
+        if isinstance(value, bool):
+            raise _type_error(fname, key, "float", value)
+        if isinstance(value, int):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise _type_error(fname, key, "float", value) from None
+        if isinstance(value, float):
+            return value
+        raise _type_error(fname, key, "float", value)
+    if hint is int and isinstance(value, bool):
+        raise _type_error(fname, key, "int", value)
+    if isinstance(hint, type) and isinstance(value, hint):
+        return value
+    raise _type_error(fname, key, _name(hint), value)
+
+
+def _name(hint: Any) -> str:
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _type_error(fname: str, key: str, expected: str, value: Any) -> ParamsError:
+    return ParamsError(f"{fname}: '{key}' must be {expected}, got {type(value).__name__} ({value!r})")
