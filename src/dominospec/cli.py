@@ -31,6 +31,12 @@ def _resolve(spec: str) -> Callable[[Params], None]:
     return getattr(importlib.import_module(module), fn)
 
 
+def run_stage(stage: str, params_path: str) -> None:
+    """Validate the params file first (no work on bad params), then run the stage function."""
+    params = load_params(params_path)
+    _resolve(STAGES[stage])(params)
+
+
 def _run(fn: Callable[[], None]) -> int:
     """Run `fn`, turning known user-facing errors into one line on stderr and exit code 2."""
     from dominospec.target import TargetError
@@ -48,7 +54,7 @@ def stage_main(stage: str, argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=f"pipeline/{stage}.py", description=f"DVC stage `{stage}`")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
-    return _run(lambda: _resolve(STAGES[stage])(load_params(args.params)))
+    return _run(lambda: run_stage(stage, args.params))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -60,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     if args.command in STAGES:
-        return _run(lambda: _resolve(STAGES[args.command])(load_params(args.params)))
+        return _run(lambda: run_stage(args.command, args.params))
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -172,6 +172,8 @@ def _check(hint: Any, value: Any, fname: str, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:  # Optional[X]: X's own message names the offending item
+            return _check(inner[0], value, fname, key)
         for arg in inner:
             try:
                 return _check(arg, value, fname, key)
@@ -215,7 +217,11 @@ def _check(hint: Any, value: Any, fname: str, key: str) -> Any:
 
 
 def _name(hint: Any) -> str:
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is not None:
+        return str(hint).replace("typing.", "")
+    return getattr(hint, "__name__", str(hint))
 
 
 def _type_error(fname: str, key: str, expected: str, value: Any) -> ParamsError:

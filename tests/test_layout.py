@@ -1,0 +1,71 @@
+"""The repository's contracts: import direction, and dvc.yaml <-> params.yaml <-> CLI consistency."""
+
+import ast
+import re
+
+import yaml
+
+from conftest import REPO
+from dominospec.cli import STAGES
+from dominospec.config import Params, load_params
+
+FORBIDDEN = {
+    # layer -> top-level modules it must never import
+    "kernels": {"transformers", "lightning", "pytorch_lightning", "mlflow", "dvc", "sglang", "dominospec"},
+    "models": {"lightning", "pytorch_lightning", "mlflow", "dvc", "sglang", "pipeline"},
+    "src/dominospec": {"pipeline"},
+}
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_import_direction():
+    problems = []
+    for layer, banned in FORBIDDEN.items():
+        for path in (REPO / layer).rglob("*.py"):
+            for module in imported_modules(path):
+                top = module.split(".")[0]
+                if top in banned and not (layer == "kernels" and module.startswith("dominospec.kernels")):
+                    problems.append(f"{path.relative_to(REPO)} imports {module}")
+                if layer == "models" and module.startswith("dominospec.") and not module.startswith(
+                    ("dominospec.kernels", "dominospec.models")
+                ):
+                    problems.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not problems, problems
+
+
+def test_every_dvc_stage_has_script_params_section_and_cli_command():
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    sections = set(Params.__dataclass_fields__)
+    for name, stage in dvc["stages"].items():
+        assert stage["cmd"] == f"python pipeline/{name}.py --params params.yaml", name
+        assert (REPO / "pipeline" / f"{name}.py").is_file(), name
+        assert name in sections, f"stage {name} has no params section"
+        assert name in stage["params"], f"stage {name} does not list its own params section"
+        assert f"pipeline/{name}.py" in stage["deps"], name
+        assert any(d.startswith("src/dominospec/") and not d.endswith("config.py") for d in stage["deps"]), (
+            f"stage {name} lists no library code in deps"
+        )
+        assert name in STAGES, f"stage {name} has no `dominospec {name}` command"
+
+
+def test_dvc_paths_come_from_params_paths():
+    text = (REPO / "dvc.yaml").read_text()
+    params = load_params(REPO / "params.yaml")
+    for ref in re.findall(r"\$\{paths\.(\w+)\}", text):
+        assert hasattr(params.paths, ref), f"dvc.yaml uses unknown paths.{ref}"
+    # No artefact path is written out literally in dvc.yaml.
+    for value in (v for v in vars(params.paths).values() if "/" in v):
+        assert not re.search(rf"(?<![{{.\w]){re.escape(value)}\b", text), f"{value} hard-coded in dvc.yaml"
+
+
+def test_stage_scripts_are_thin():
+    for script in (REPO / "pipeline").glob("*.py"):
+        assert len(script.read_text().splitlines()) <= 100, script.name
