@@ -95,6 +95,49 @@ class CacheParams:
 
 
 @dataclass(frozen=True)
+class DraftParams:
+    """Architecture of the draft (shared by train, export, evaluate). null = as the target."""
+
+    num_layers: int
+    block_size: int
+    intermediate_size: Optional[int]
+    num_attention_heads: Optional[int]
+    num_key_value_heads: Optional[int]
+    head_dim: Optional[int]
+    gru_hidden_dim: int
+    emb_dim: int  # rank r of the correction head
+    use_domino_head: bool  # false = pure DFlash (ablation / baseline)
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """Curriculum training of the draft with Lightning."""
+
+    features: Literal["cache", "online"]  # online: target features computed in the step
+    max_steps: int
+    batch_size: int
+    num_anchors: int
+    lr: float
+    min_lr_ratio: float
+    weight_decay: float
+    warmup_fraction: float
+    grad_clip: float
+    loss_gamma: float  # position weights w_k = exp(-k / gamma)
+    lambda_decay_fraction: float  # lambda: 1 -> 0 linearly over this fraction of the steps
+    val_every_steps: int
+    val_max_sequences: int
+    checkpoint_every_steps: int
+    log_every_steps: int
+    seed: int
+    precision: str  # Lightning precision: 32-true | bf16-mixed | bf16-true
+    accelerator: str  # auto | cpu | gpu
+    devices: int
+    num_nodes: int
+    strategy: str  # auto | ddp | fsdp | ...
+    num_workers: int
+
+
+@dataclass(frozen=True)
 class MlflowParams:
     """The one MLflow store every stage logs to."""
 
@@ -112,6 +155,8 @@ class Params:
     prepare: PrepareParams
     regenerate: RegenerateParams
     cache: CacheParams
+    draft: DraftParams
+    train: TrainParams
     mlflow: MlflowParams
     source: Path = field(default=Path("params.yaml"), compare=False)
 

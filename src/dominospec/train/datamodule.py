@@ -1,0 +1,124 @@
+"""Training data: sequences of (token ids, loss mask, target features) for the draft.
+
+Two feature modes (params `train.features`):
+  - `cache`: sequences come from the hidden-state cache (`CacheReader`), features included;
+  - `online`: sequences come from the prepared dataset, and the LightningModule computes the
+    target features inside the step (for caches that would not fit on disk).
+
+A batch is a dict of right-padded tensors:
+  input_ids [B, T] long, loss_mask [B, T] bool (False on padding), lengths [B] long,
+  target_hidden [B, T, n*H] (cache mode only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dominospec.cache.reader import CacheReader
+
+
+class PreparedSequences(Dataset):
+    """Token ids and loss masks of one split of a prepared/regenerated dataset (online mode)."""
+
+    def __init__(self, root: Path, split: str, limit: Optional[int] = None):
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(root))[split]
+        if limit is not None:
+            data = data.select(range(min(limit, len(data))))
+        self.data = data.with_format("torch", columns=["input_ids", "loss_mask"])
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.data[i]
+        return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].bool()}
+
+
+class CachedSequences(Dataset):
+    """A split of the hidden-state cache, at most `limit` sequences."""
+
+    def __init__(self, reader: CacheReader, limit: Optional[int] = None):
+        self.reader = reader
+        self.size = len(reader) if limit is None else min(limit, len(reader))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.reader[i]
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of sequences into one batch (see module docstring for shapes)."""
+    lengths = torch.tensor([len(it["input_ids"]) for it in items])
+    T = int(lengths.max())
+    batch: dict[str, torch.Tensor] = {
+        "input_ids": torch.zeros(len(items), T, dtype=torch.long),
+        "loss_mask": torch.zeros(len(items), T, dtype=torch.bool),
+        "lengths": lengths,
+    }
+    if "target_hidden" in items[0]:
+        F = items[0]["target_hidden"].shape[-1]
+        batch["target_hidden"] = torch.zeros(len(items), T, F, dtype=items[0]["target_hidden"].dtype)
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        batch["input_ids"][b, :n] = it["input_ids"]
+        batch["loss_mask"][b, :n] = it["loss_mask"]
+        if "target_hidden" in batch:
+            batch["target_hidden"][b, :n] = it["target_hidden"]
+    return batch
+
+
+class DraftDataModule(L.LightningDataModule):
+    """Train/val loaders over the cache (or the prepared data in online mode)."""
+
+    def __init__(
+        self,
+        features: str,
+        cache_dir: Path,
+        data_dir: Path,
+        batch_size: int,
+        val_max_sequences: int,
+        num_workers: int,
+        train_limit: Optional[int] = None,
+    ):
+        super().__init__()
+        self.features, self.cache_dir, self.data_dir = features, Path(cache_dir), Path(data_dir)
+        self.batch_size, self.val_max_sequences = batch_size, val_max_sequences
+        self.num_workers, self.train_limit = num_workers, train_limit
+        self.train_set: Any = None
+        self.val_set: Any = None
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is not None:
+            return
+        if self.features == "cache":
+            self.train_set = CachedSequences(CacheReader(self.cache_dir, "train"), self.train_limit)
+            self.val_set = CachedSequences(CacheReader(self.cache_dir, "val"), self.val_max_sequences)
+        else:
+            self.train_set = PreparedSequences(self.data_dir, "train", self.train_limit)
+            self.val_set = PreparedSequences(self.data_dir, "val", self.val_max_sequences)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            drop_last=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

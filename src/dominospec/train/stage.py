@@ -1,0 +1,119 @@
+"""The `train` stage: hidden-state cache -> draft checkpoints, metrics/train.json, one MLflow run.
+
+Outputs (params `paths`):
+  checkpoints/last.ckpt, step-*.ckpt   Lightning checkpoints (automatic resume after a crash)
+  checkpoints/final/                   the inner draft model, `save_pretrained` (what export reads)
+  checkpoints/run.json                 fingerprint of what is being trained + MLflow run id
+  metrics/train.json                   acceptance length head on/off, accuracy by position, steps, minutes
+  plots/train_curve.csv                step, loss, loss_base, loss_final, lambda, lr (DVC plot)
+  plots/val_accuracy_by_position.csv   position, accuracy (head on), accuracy_base (DVC plot)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dominospec.config import Params, as_flat_dict
+from dominospec.train.curves import CurveRecorder, write_train_outputs
+
+
+def run_fingerprint(params: Params, data_fingerprint: str) -> str:
+    """Hash of everything that makes a checkpoint resumable: draft, train params, data, target."""
+    keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
+    keys.pop("train.max_steps", None)  # extending a run keeps its checkpoints
+    blob = json.dumps({"params": keys, "data": data_fingerprint}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def prepare_checkpoint_dir(ckpt_dir: Path, fingerprint: str) -> tuple[Optional[Path], Optional[str]]:
+    """Keep checkpoints of the same run (-> (last.ckpt, mlflow run id)); wipe those of another."""
+    record = ckpt_dir / "run.json"
+    if record.is_file():
+        info = json.loads(record.read_text())
+        last = ckpt_dir / "last.ckpt"
+        if info.get("fingerprint") == fingerprint and last.is_file():
+            return last, info.get("mlflow_run_id")
+    if ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True)
+    return None, None
+
+
+def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) -> None:
+    tmp = ckpt_dir / "run.json.tmp"
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "mlflow_run_id": run_id}, indent=2))
+    tmp.replace(ckpt_dir / "run.json")
+
+
+def train(params: Params) -> None:
+    """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from dominospec.train.build import TrainingSetup, build_training
+    from dominospec.tracking import flat_params, lightning_logger
+
+    t0 = time.time()
+    torch.set_float32_matmul_precision("high")
+    L.seed_everything(params.train.seed, workers=True)
+    setup: TrainingSetup = build_training(params)
+
+    ckpt_dir = Path(params.paths.checkpoints)
+    fingerprint = run_fingerprint(params, setup.data_fingerprint)
+    resume_from, run_id = prepare_checkpoint_dir(ckpt_dir, fingerprint)
+    logger = lightning_logger(params, "train", run_id=run_id)
+    write_run_record(ckpt_dir, fingerprint, logger.run_id)
+    if resume_from is None:
+        logger.log_hyperparams(flat_params(params))
+
+    curves = CurveRecorder()
+    checkpoints = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step-{step:06d}",
+        every_n_train_steps=params.train.checkpoint_every_steps,
+        save_last=True,
+        save_top_k=-1,
+    )
+    trainer = L.Trainer(
+        max_steps=params.train.max_steps,
+        accelerator=params.train.accelerator,
+        devices=params.train.devices,
+        num_nodes=params.train.num_nodes,
+        strategy=params.train.strategy,
+        precision=params.train.precision,
+        gradient_clip_val=params.train.grad_clip,
+        val_check_interval=params.train.val_every_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=params.train.log_every_steps,
+        logger=logger,
+        callbacks=[checkpoints, curves, LearningRateMonitor(logging_interval="step")],
+        enable_progress_bar=True,
+        default_root_dir=str(ckpt_dir),
+    )
+    trainer.fit(setup.module, datamodule=setup.datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    trainer.validate(setup.module, datamodule=setup.datamodule, verbose=False)
+    if trainer.is_global_zero:
+        setup.module.draft.save_pretrained(ckpt_dir / "final", safe_serialization=True)
+        summary = setup.module.final_validation()
+        write_train_outputs(params, trainer, curves, summary, minutes=(time.time() - t0) / 60, logger=logger)
+
+
+def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict[str, Any]:
+    """Validation summary -> the metrics/train.json document."""
+    return {
+        "val_acceptance_length": summary["acceptance_length"],
+        "val_acceptance_length_base": summary["acceptance_length_base"],
+        "val_accuracy_by_position": summary["accuracy_by_position"],
+        "val_accuracy_by_position_base": summary["accuracy_by_position_base"],
+        "val_loss": summary.get("loss"),
+        "steps": steps,
+        "train_minutes": round(minutes, 2),
+    }
