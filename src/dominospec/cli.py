@@ -19,6 +19,7 @@ STAGES: dict[str, str] = {
     "prepare": "dominospec.data.prepare:prepare",
     "regenerate": "dominospec.data.regenerate:regenerate",
     "cache": "dominospec.cache.stage:cache",
+    "train": "dominospec.train.stage:train",
 }
 
 

@@ -55,6 +55,32 @@ class CachedSequences(Dataset):
         return self.reader[i]
 
 
+class StepBatchSampler(torch.utils.data.Sampler):
+    """Batches as a pure function of the optimiser step, so a resumed run sees the batches an
+    uninterrupted one would: step s takes items s*bs*world .. of an endless stream made of
+    seeded permutations (one per pass over the data); rank r takes its stride of each batch.
+    Yields the batches of steps start_step .. total_steps-1."""
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, start_step: int, total_steps: int,
+                 rank: int = 0, world_size: int = 1):
+        self.n, self.bs, self.seed = num_items, batch_size, seed
+        self.start, self.total, self.rank, self.world = start_step, total_steps, rank, world_size
+
+    def _item(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return int(perm[offset])
+
+    def __iter__(self):
+        per_step = self.bs * self.world
+        for step in range(self.start, self.total):
+            first = step * per_step + self.rank * self.bs
+            yield [self._item(p) for p in range(first, first + self.bs)]
+
+    def __len__(self) -> int:
+        return max(0, self.total - self.start)
+
+
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad a list of sequences into one batch (see module docstring for shapes)."""
     lengths = torch.tensor([len(it["input_ids"]) for it in items])
@@ -87,12 +113,13 @@ class DraftDataModule(L.LightningDataModule):
         batch_size: int,
         val_max_sequences: int,
         num_workers: int,
+        seed: int,
         train_limit: Optional[int] = None,
     ):
         super().__init__()
         self.features, self.cache_dir, self.data_dir = features, Path(cache_dir), Path(data_dir)
         self.batch_size, self.val_max_sequences = batch_size, val_max_sequences
-        self.num_workers, self.train_limit = num_workers, train_limit
+        self.num_workers, self.seed, self.train_limit = num_workers, seed, train_limit
         self.train_set: Any = None
         self.val_set: Any = None
 
@@ -106,19 +133,20 @@ class DraftDataModule(L.LightningDataModule):
             self.train_set = PreparedSequences(self.data_dir, "train", self.train_limit)
             self.val_set = PreparedSequences(self.data_dir, "val", self.val_max_sequences)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            collate_fn=collate,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            drop_last=False,
-        )
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        """Called after a checkpoint is restored: starts at the restored optimiser step."""
+        trainer = self.trainer
+        sampler = StepBatchSampler(
+            len(self.train_set), self.batch_size, self.seed,
+            start_step=trainer.global_step, total_steps=trainer.max_steps,
+            rank=trainer.global_rank, world_size=trainer.world_size,
+        )
+        return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        """Validation: each rank takes its stride of the (capped) val split, in order."""
+        trainer = self.trainer
+        indices = list(range(trainer.global_rank, len(self.val_set), trainer.world_size))
+        subset = torch.utils.data.Subset(self.val_set, indices)
+        return DataLoader(subset, batch_size=self.batch_size, shuffle=False, collate_fn=collate,
+                          num_workers=self.num_workers)

@@ -77,16 +77,19 @@ def train(params: Params) -> None:
     checkpoints = ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="step-{step:06d}",
+        auto_insert_metric_name=False,
         every_n_train_steps=params.train.checkpoint_every_steps,
         save_last=True,
         save_top_k=-1,
     )
     trainer = L.Trainer(
         max_steps=params.train.max_steps,
+        max_epochs=1,  # StepBatchSampler yields every step's batch in one pass
         accelerator=params.train.accelerator,
         devices=params.train.devices,
         num_nodes=params.train.num_nodes,
-        strategy=params.train.strategy,
+        strategy=lightning_strategy(params),
+        use_distributed_sampler=False,  # StepBatchSampler shards by rank itself
         precision=params.train.precision,
         gradient_clip_val=params.train.grad_clip,
         val_check_interval=params.train.val_every_steps,
@@ -104,6 +107,16 @@ def train(params: Params) -> None:
         setup.module.draft.save_pretrained(ckpt_dir / "final", safe_serialization=True)
         summary = setup.module.final_validation()
         write_train_outputs(params, trainer, curves, summary, minutes=(time.time() - t0) / 60, logger=logger)
+
+
+def lightning_strategy(params: Params) -> Any:
+    """params.train.strategy -> a Lightning strategy. DDP skips broadcasting the frozen target
+    buffers (embedding, LM head: identical on every rank) and tolerates an unused head."""
+    if params.train.strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(broadcast_buffers=False, find_unused_parameters=not params.draft.use_domino_head)
+    return params.train.strategy
 
 
 def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict[str, Any]:

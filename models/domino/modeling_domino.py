@@ -1,0 +1,388 @@
+"""The Domino draft model: a DFlash block-parallel backbone plus a causal GRU logit correction.
+
+Read top to bottom: norms and RoPE -> attention with the target context as extra K/V ->
+decoder layer -> the context KV cache used at inference -> `DFlashDraftModel` (backbone forward,
+Domino head, rollout).
+
+Backbone. A block `[x_a, MASK x (Bk-1)]` is embedded with the target's frozen embedding table and
+runs through Qwen3-style layers. The target context enters every layer as extra keys/values:
+
+    target_hidden = hidden_norm(fc(cat of n target layer outputs))      [B, S, H]
+    layer i:  K = [k_norm(k_proj_i(target_hidden)) ; k_norm(k_proj_i(h_block))]  (+ RoPE)
+              V = [v_proj_i(target_hidden) ; v_proj_i(h_block)]
+              Q = q_norm(q_proj_i(h_block))                                      (+ RoPE)
+
+Context rows sit at their absolute positions 0..S-1, block slot j at position a+j. Attention inside
+a block is bidirectional. The model returns z = norm(h) `[B, Q, H]`; the caller applies the target's
+frozen lm_head to get the base logits u.
+
+Head (shift_label = true: slot j predicts x[a+1+j]). A bias-free GRU reads target embeddings of
+the block's realised tokens from a zero state; s_j has consumed [x_a, d_1 .. d_j]. Slots
+j >= pure_draft_prefix_len get `u_j + W2 . SiLU(W1 . [z_j ; s_j])`; earlier slots keep u_j.
+
+The model owns neither the embedding table nor the LM head: both are the target's.
+Imports: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from .configuration_domino import DominoDraftConfig
+
+try:  # flex_attention exists from torch 2.5; the boolean SDPA mask is the fallback everywhere
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - old torch
+    BlockMask, flex_attention = None, None
+
+# A boolean mask [B or 1, 1, Q, C+Q] (True = may attend) or a flex_attention BlockMask.
+AttentionMask = Union[torch.Tensor, "BlockMask", None]
+_compiled_flex = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class DominoRMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 (Qwen3 convention): [..., D] -> [..., D]."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Absolute positions [B or 1, T] -> (cos, sin) [B or 1, 1, T, head_dim], rotate-half layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, heads, T, D] by (cos, sin) [B or 1, 1, T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DominoMLP(nn.Module):
+    """SwiGLU: down(SiLU(gate(x)) * up(x)), [..., H] -> [..., H]."""
+
+    def __init__(self, config: DominoDraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q [B, h, Q, D], k/v [B, kvh, K, D] -> [B, h, Q, D]. GQA by repeating kv heads for SDPA."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        global _compiled_flex
+        if q.is_cuda:  # the fused kernel needs torch.compile; eager flex materialises the scores
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention)
+            return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class DominoAttention(nn.Module):
+    """Block queries attend to [context K/V ; block K/V]; one layer's own projections for both."""
+
+    def __init__(self, config: DominoDraftConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.q_norm = DominoRMSNorm(D, config.rms_norm_eps)  # per head
+        self.k_norm = DominoRMSNorm(D, config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows [B, T, H] at RoPE (cos, sin) -> k, v [B, kvh, T, D] (k normed and rotated)."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, h, context_k, context_v, cos, sin, mask: AttentionMask) -> torch.Tensor:
+        """Block h [B, Q, H], context k/v [B, kvh, C, D], block RoPE [.., Q, D] -> [B, Q, H]."""
+        B, Q, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)  # [B, h, Q, D]
+        k, v = self.project_kv(h, cos, sin)  # [B, kvh, Q, D]; never cached
+        k = torch.cat([context_k, k], dim=2)  # [B, kvh, C+Q, D]
+        v = torch.cat([context_v, v], dim=2)
+        out = _attend(q, k, v, mask)  # [B, h, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+
+
+class DominoDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer; the context is K/V only (no queries, no MLP, no residual for it)."""
+
+    def __init__(self, config: DominoDraftConfig):
+        super().__init__()
+        self.self_attn = DominoAttention(config)
+        self.mlp = DominoMLP(config)
+        self.input_layernorm = DominoRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = DominoRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, context_k, context_v, cos, sin, mask: AttentionMask) -> torch.Tensor:
+        """[B, Q, H] -> [B, Q, H]."""
+        h = h + self.self_attn(self.input_layernorm(h), context_k, context_v, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference-time context cache
+# ----------------------------------------------------------------------------------------------
+
+
+class DraftContextCache:
+    """Per-layer K/V of committed context rows, `keys[i]`/`values[i]` [B, kvh, C, D].
+
+    Invariant: rows 0..C-1 hold the context at absolute positions 0..C-1. Block K/V are
+    never stored, so after a round the cache holds exactly the committed context.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        """Number of cached context rows C."""
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add rows k/v [B, kvh, T, D] after the cached ones of `layer`."""
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+
+    def crop(self, n: int) -> None:
+        """Keep the first n context rows of every layer."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :n], v[:, :, 1:n+1]
+
+
+@dataclass
+class DraftRollout:
+    """Result of one block rollout: draft tokens d_1..d_K [B, K] and the logits q [B, K, V]
+    they were drawn from (corrected for slots >= pure_draft_prefix_len when the head is on)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> argmax token ids [B]."""
+    return logits.argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The draft model
+# ----------------------------------------------------------------------------------------------
+
+
+class DominoPreTrainedModel(PreTrainedModel):
+    config_class = DominoDraftConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DominoDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """HF convention: Linear ~ N(0, initializer_range), norms = 1, GRU ~ U(+-1/sqrt(G)) (PyTorch's).
+        Parameters already loaded from a checkpoint carry `_is_hf_initialized` and are skipped."""
+        for p in module.parameters(recurse=False):
+            if getattr(p, "_is_hf_initialized", False):
+                continue
+            if isinstance(module, nn.Linear):
+                p.normal_(0.0, self.config.initializer_range)
+            elif isinstance(module, DominoRMSNorm):
+                p.fill_(1.0)
+            elif isinstance(module, nn.GRU):
+                bound = 1.0 / math.sqrt(module.hidden_size)
+                p.uniform_(-bound, bound)
+
+
+class DFlashDraftModel(DominoPreTrainedModel):
+    """DFlash backbone + Domino head. State dict: layers.*, fc, hidden_norm, norm, prefix_gru, embed_proj."""
+
+    def __init__(self, config: DominoDraftConfig):
+        super().__init__(config)
+        H, G, r = config.hidden_size, config.gru_hidden_dim, config.emb_dim
+        self.layers = nn.ModuleList([DominoDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(config.num_feature_layers * H, H, bias=False)
+        self.hidden_norm = DominoRMSNorm(H, config.rms_norm_eps)
+        self.norm = DominoRMSNorm(H, config.rms_norm_eps)
+        # Domino head. nn.GRU only holds the weights (weight_ih_l0 [3G, H], weight_hh_l0 [3G, G],
+        # gate order r, z, n); the recurrences below read them directly.
+        self.prefix_gru = nn.GRU(H, G, num_layers=1, bias=False, batch_first=True)
+        self.embed_proj = nn.Sequential(nn.Linear(H + G, r, bias=False), nn.SiLU(), nn.Linear(r, config.vocab_size, bias=False))
+        self.post_init()
+
+    # ---- backbone ------------------------------------------------------------------------------
+
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target layer outputs [B, S, n*H] -> target_hidden [B, S, H]."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        target_features: Optional[torch.Tensor] = None,
+        attention_mask: AttentionMask = None,
+        cache: Optional[DraftContextCache] = None,
+    ) -> torch.Tensor:
+        """Block embeddings [B, Q, H] at positions [B or 1, Q] -> z = norm(h) [B, Q, H].
+
+        Training (cache None): `target_features` [B, S, n*H] are the whole context at positions
+        0..S-1, and `attention_mask` ([B or 1, 1, Q, S+Q] bool or a BlockMask) says which context
+        rows and block slots each query sees.
+        Inference (cache given): `target_features` are the newly committed rows (or None); they
+        are projected once, appended at positions C..C+S_new-1, and the block attends to the whole
+        cache and to itself (`attention_mask` None = everything visible).
+        """
+        B, Q, _ = block_embeds.shape
+        block_embeds = block_embeds.to(self.fc.weight.dtype)
+        dtype = block_embeds.dtype
+        if block_positions.dim() == 1:
+            block_positions = block_positions[None]
+        start = 0 if cache is None else cache.length
+        if target_features is not None:
+            target_hidden = self.project_context(target_features)  # [B, S, H]
+            S = target_hidden.shape[1]
+            ctx_pos = torch.arange(start, start + S, device=block_embeds.device)[None]
+            ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, dtype)
+        elif cache is None or cache.length == 0:
+            raise ValueError("the draft needs target context: pass target_features or a filled cache")
+        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            if target_features is not None:
+                ctx_k, ctx_v = layer.self_attn.project_kv(target_hidden, ctx_cos, ctx_sin)  # [B, kvh, S, D]
+                if cache is not None:
+                    cache.append(i, ctx_k, ctx_v)
+            if cache is not None:
+                ctx_k, ctx_v = cache.keys[i], cache.values[i]  # [B, kvh, C, D]
+            h = layer(h, ctx_k, ctx_v, cos, sin, attention_mask)
+        return self.norm(h)
+
+    # ---- Domino head ---------------------------------------------------------------------------
+
+    def gru_step(self, embed: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One bias-free GRU cell step: token embedding [N, H], state [N, G] -> new state [N, G]."""
+        w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        return torch.gru_cell(embed.to(w_ih.dtype), state.to(w_ih.dtype), w_ih, w_hh, None, None)
+
+    def gru_states(self, prefix_embeds: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: embeddings of x[a..a+Bk-1] [N, Bk, H] -> states [N, Bk, G] from zero;
+        state j has consumed x[a..a+j]. Same math as nn.GRU (bias-free, gates r, z, n)."""
+        N, Bk, _ = prefix_embeds.shape
+        w_hh = self.prefix_gru.weight_hh_l0  # [3G, G]
+        gi = F.linear(prefix_embeds.to(w_hh.dtype), self.prefix_gru.weight_ih_l0)  # [N, Bk, 3G], all slots at once
+        s = gi.new_zeros(N, w_hh.shape[1])
+        states = []
+        for j in range(Bk):
+            i_r, i_z, i_n = gi[:, j].chunk(3, dim=-1)
+            h_r, h_z, h_n = F.linear(s, w_hh).chunk(3, dim=-1)
+            r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+            s = (1 - z) * torch.tanh(i_n + r * h_n) + z * s
+            states.append(s)
+        return torch.stack(states, dim=1)
+
+    def correction_hidden(self, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """SiLU(W1 . [z ; s]): z [..., H], s [..., G] -> [..., r]."""
+        return F.silu(self.embed_proj[0](torch.cat([z, s.to(z.dtype)], dim=-1)))
+
+    def correction(self, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Logit delta W2 . SiLU(W1 . [z ; s]): z [..., H], s [..., G] -> [..., V]."""
+        return self.embed_proj[2](self.correction_hidden(z, s))
+
+    def final_logits(self, base_logits: torch.Tensor, z: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """u [N, Bk, V], z [N, Bk, H], GRU states [N, Bk, G] -> u + delta [N, Bk, V].
+
+        Slots j < pure_draft_prefix_len keep u exactly (their hidden is zeroed, so no gradient
+        reaches the head from them). One fused addmm: no separate [N, Bk, V] delta tensor.
+        """
+        N, Bk, V = base_logits.shape
+        mid = self.correction_hidden(z, states)  # [N, Bk, r]
+        keep = torch.arange(Bk, device=mid.device) >= self.config.pure_draft_prefix_len
+        mid = mid * keep[None, :, None].to(mid.dtype)
+        w2 = self.embed_proj[2].weight  # [V, r]
+        out = torch.addmm(base_logits.reshape(N * Bk, V), mid.reshape(N * Bk, -1).to(w2.dtype), w2.t())
+        return out.view(N, Bk, V)
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        z: torch.Tensor,
+        base_logits: torch.Tensor,
+        last_token: torch.Tensor,
+        embed_tokens: nn.Module,
+        sampler: Callable[[torch.Tensor], torch.Tensor] = greedy,
+        num_draft: Optional[int] = None,
+    ) -> DraftRollout:
+        """Draft one block: z [B, Bk, H] (or [Bk, H]), base logits [B, Bk, V], the last committed
+        token [B] -> d_1..d_K and the logits q_j each was drawn from (K = num_draft or Bk).
+
+        `sampler` maps logits [B, V] -> tokens [B] (greedy by default; the engine passes the same
+        warping it applies to the target). With the head on, slot j >= P uses u_j + correction(z_j,
+        s_j), where s_j has consumed [x_start, d_1..d_j]: K sequential GRU steps in all.
+        """
+        unbatched = z.dim() == 2
+        if unbatched:
+            z, base_logits, last_token = z[None], base_logits[None], last_token.reshape(1)
+        K = num_draft or base_logits.shape[1]
+        B = z.shape[0]
+        if not self.config.use_domino_head:  # pure DFlash: independent draws from u
+            tokens = sampler(base_logits[:, :K].reshape(B * K, -1)).view(B, K)
+            out = DraftRollout(tokens, base_logits[:, :K])
+            return DraftRollout(out.tokens[0], out.logits[0]) if unbatched else out
+        P = self.config.pure_draft_prefix_len
+        state = self.gru_step(embed_tokens(last_token), z.new_zeros(B, self.config.gru_hidden_dim))  # s_0
+        tokens, logits = [], []
+        for j in range(K):
+            q = base_logits[:, j] + self.correction(z[:, j], state) if j >= P else base_logits[:, j]  # [B, V]
+            d = sampler(q)  # [B]: d_{j+1}
+            tokens.append(d)
+            logits.append(q)
+            if j + 1 < K:
+                state = self.gru_step(embed_tokens(d), state)  # s_{j+1}
+        out = DraftRollout(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
+        return DraftRollout(out.tokens[0], out.logits[0]) if unbatched else out
+
+
+__all__ = ["DFlashDraftModel", "DominoPreTrainedModel", "DraftContextCache", "DraftRollout", "greedy"]

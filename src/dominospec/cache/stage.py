@@ -1,0 +1,190 @@
+"""DVC stage `cache`: run the target over train/val conversations and store its features.
+
+Reads `paths.regenerated` (a DatasetDict + meta.json), writes `paths.cache` (format.py) and
+`paths.metrics/cache.json`. A re-run with the same target, data and cache settings continues
+after the last complete shard; anything else starts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+from dominospec.cache import format as fmt
+from dominospec.cache.features import resolve_layer_ids
+from dominospec.cache.writer import (
+    check_disk,
+    check_rows,
+    compute_shard,
+    plan_shards,
+    resume_point,
+    stale_files,
+    start_from,
+    write_shard,
+)
+from dominospec.cli import UserError
+from dominospec.config import CacheParams, Params
+from dominospec.target import load_target, pick_device
+
+REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
+
+
+@dataclass(frozen=True)
+class Source:
+    """The conversations to cache: the first N rows of each split, with their lengths."""
+
+    meta_json: bytes  # meta.json as written by the regenerate stage
+    meta: dict[str, Any]
+    splits: dict[str, Any]  # split -> datasets.Dataset (first N rows)
+    lengths: dict[str, list[int]]  # split -> tokens per row
+    split_sizes: dict[str, int]  # split -> rows in the source split (before the cap)
+
+
+def read_source(data_dir: Path, params: CacheParams) -> Source:
+    """`paths.regenerated` -> Source, capped by max_{train,val}_conversations. UserError when unusable."""
+    import datasets
+    import pyarrow.compute as pc
+
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"{meta_path} not found: run the regenerate stage first (dvc repro regenerate)")
+    meta_json = meta_path.read_bytes()
+    try:
+        meta = json.loads(meta_json)
+        mask_token_id = meta["mask_token_id"]
+    except (ValueError, KeyError) as err:
+        raise UserError(f"{meta_path}: not a valid data meta file ({err})") from None
+    if not isinstance(mask_token_id, int):
+        raise UserError(f"{meta_path}: mask_token_id must be an int, got {mask_token_id!r}")
+    try:
+        data = datasets.load_from_disk(str(data_dir))
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"{data_dir}: cannot load the dataset: {err}") from None
+    caps = {"train": params.max_train_conversations, "val": params.max_val_conversations}
+    splits, lengths, sizes = {}, {}, {}
+    for split, cap in caps.items():
+        if split not in data:
+            raise UserError(f"{data_dir}: no '{split}' split (has {sorted(data)})")
+        ds = data[split]
+        missing = [c for c in REQUIRED_COLUMNS if c not in ds.column_names]
+        if missing:
+            raise UserError(f"{data_dir} {split}: missing columns {missing}")
+        sizes[split] = len(ds)
+        ds = ds.select(range(min(len(ds), cap if cap is not None else len(ds))))
+        if len(ds) == 0:
+            raise UserError(f"{data_dir} {split}: no conversations to cache")
+        splits[split] = ds
+        lengths[split] = pc.list_value_length(ds.with_format("arrow")["input_ids"]).to_pylist()
+    return Source(meta_json=meta_json, meta=meta, splits=splits, lengths=lengths, split_sizes=sizes)
+
+
+def cache(params: Params) -> None:
+    """Params -> `paths.cache` (shards + manifest.json) and `paths.metrics`/cache.json."""
+    started = time.perf_counter()
+    cp = params.cache
+    source = read_source(Path(params.paths.regenerated), cp)
+    device = pick_device(params.target.device)
+    if device.type == "cpu":
+        torch.set_num_threads(_usable_cores())
+    target = load_target(params.target, device=device)
+    if not target.identity.same_model(source.meta.get("target", {})):
+        raise UserError(
+            f"{params.paths.regenerated} was tokenized for target {source.meta.get('target', {}).get('name')!r}, "
+            f"but target.model loads {target.identity.name!r}: re-run prepare/regenerate for this target"
+        )
+    loaded = time.perf_counter()
+    layer_ids = resolve_layer_ids(cp, target.num_layers)
+    plans = {split: plan_shards(source.lengths[split], cp.shard_tokens) for split in fmt.SPLITS}
+    content = {
+        "layer_ids": layer_ids,
+        "dtype": cp.dtype,
+        "shard_tokens": cp.shard_tokens,
+        "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
+    }
+    planned = fmt.Manifest(
+        format_version=fmt.FORMAT_VERSION,
+        target=target.identity.as_dict(),
+        layer_ids=tuple(layer_ids),
+        hidden_size=target.hidden_size,
+        feature_dim=len(layer_ids) * target.hidden_size,
+        dtype=cp.dtype,
+        mask_token_id=source.meta["mask_token_id"],
+        fingerprint=fmt.data_fingerprint(source.meta_json, source.split_sizes, content),
+        splits={
+            split: fmt.SplitInfo(planned_sequences=len(source.lengths[split]), planned_tokens=sum(source.lengths[split]))
+            for split in fmt.SPLITS
+        },
+    )
+    root = Path(params.paths.cache)
+    manifest = resume_point(root, planned)
+    resumed = {split: len(manifest.splits[split].shards) for split in fmt.SPLITS}
+    remaining = sum(info.planned_tokens - info.tokens for info in manifest.splits.values())
+    reclaimable = sum(p.stat().st_size for p in stale_files(root, manifest))
+    check_disk(root, remaining, manifest.bytes_per_token, reclaimable)
+    start_from(root, manifest)
+    tqdm.write(
+        f"cache: {remaining:,} tokens to compute, layers {layer_ids}, {manifest.bytes_per_token:,} B/token"
+        + (f", resuming after {resumed} shards" if any(resumed.values()) else "")
+    )
+
+    dtype = fmt.DTYPES[cp.dtype]
+    computing = time.perf_counter()
+    with tqdm(total=remaining, unit="tok", unit_scale=True, desc="cache", dynamic_ncols=True) as bar:
+        for split in fmt.SPLITS:
+            ds = source.splits[split]
+            for index, rows in enumerate(plans[split]):
+                if index < resumed[split]:
+                    continue
+                batch = ds[rows.start : rows.stop]
+                check_rows(batch, target.identity.vocab_size, f"{params.paths.regenerated} {split}", rows.start)
+                tensors = compute_shard(
+                    target.model, batch, layer_ids, cp.batch_tokens, dtype, device, on_tokens=bar.update
+                )
+                manifest = manifest.with_shard(split, write_shard(root, split, index, tensors))
+                fmt.write_manifest(root, manifest)
+    finished = time.perf_counter()
+    times = {"started": started, "loaded": loaded, "computing": computing, "finished": finished}
+    _write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, remaining, times)
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _write_metrics(path: Path, root: Path, manifest: fmt.Manifest, computed: int, times: dict[str, float]) -> None:
+    compute_s = times["finished"] - times["computing"]
+    tokens_per_s: Optional[float] = round(computed / compute_s, 1) if computed else None
+    files = [root / s.file for info in manifest.splits.values() for s in info.shards] + [root / fmt.MANIFEST_NAME]
+    metrics = {
+        "tokens": sum(info.tokens for info in manifest.splits.values()),
+        "sequences": sum(info.sequences for info in manifest.splits.values()),
+        "tokens_per_s": tokens_per_s,  # target forward throughput of this run (computed tokens)
+        "computed_tokens": computed,
+        "bytes_per_token": manifest.bytes_per_token,
+        "shards": sum(len(info.shards) for info in manifest.splits.values()),
+        "layer_ids": list(manifest.layer_ids),
+        "feature_dim": manifest.feature_dim,
+        "dtype": manifest.dtype,
+        "splits": {
+            split: {"sequences": info.sequences, "tokens": info.tokens, "shards": len(info.shards)}
+            for split, info in manifest.splits.items()
+        },
+        "seconds": round(times["finished"] - times["started"], 2),
+        "load_seconds": round(times["loaded"] - times["started"], 2),
+        "compute_seconds": round(compute_s, 2),
+        "num_threads": torch.get_num_threads(),
+        "disk_bytes": sum(f.stat().st_size for f in files),
+        "target": manifest.target,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt.write_atomic(path, (json.dumps(metrics, indent=2) + "\n").encode())

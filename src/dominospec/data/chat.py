@@ -1,0 +1,124 @@
+"""Chat-template rendering with the assistant-only loss mask, for any template.
+
+The mask marks the tokens the target itself produces when it answers: the content of every
+assistant message and the special token that closes its turn (SmolLM2: `<|im_end|>`, the
+end-of-turn token generation stops on). System and user turns, the assistant header
+(`<|im_start|>assistant\\n`) and template glue after the closing token (`\\n`) stay 0.
+
+How, without knowing the template: render the conversation once, and for assistant message k
+also render `messages[:k]` with the generation prompt and `messages[:k+1]` without it. Both must
+be prefixes of the full rendering (checked; a template that rewrites history fails with
+`TemplateError`); the characters between their ends are turn k. The full rendering is tokenized
+once with character offsets; a token belongs to turn k when it starts inside that span, and the
+turn's supervised tokens run from its first token to its last special token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from dominospec.data.conversations import ASSISTANT
+
+Messages = Sequence[dict[str, str]]
+
+
+class TemplateError(ValueError):
+    """The chat template renders a conversation inconsistently with its own prefixes."""
+
+
+@dataclass
+class Rendered:
+    """One conversation as training data; `input_ids` and `loss_mask` are already cut to max_length."""
+
+    input_ids: np.ndarray  # [T] int32, T <= max_length
+    loss_mask: np.ndarray  # [T] int8, 1 on supervised (assistant) tokens
+    full_length: int  # tokens before truncation
+    token_ids_seen: np.ndarray  # [U] the distinct ids of the full (untruncated) rendering
+
+    @property
+    def truncated(self) -> bool:
+        return self.full_length > len(self.input_ids)
+
+
+def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False) -> str:
+    """messages -> the chat template's text (no tokenization)."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
+    """messages -> (full rendering, [(start, end) character span of each assistant turn, header excluded])."""
+    full = render_text(tokenizer, messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != ASSISTANT:
+            continue
+        head = render_text(tokenizer, messages[:k], add_generation_prompt=True)
+        turn = render_text(tokenizer, messages[: k + 1])
+        # Invariant: head ⊑ turn ⊑ full (as string prefixes), and the turn adds text.
+        if not (turn.startswith(head) and full.startswith(turn) and len(turn) > len(head)):
+            raise TemplateError(f"the chat template does not render assistant message {k} as a suffix of its prefix")
+        spans.append((len(head), len(turn)))
+    return full, spans
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of every special token (the ones a turn can be closed with)."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special)
+    return ids
+
+
+def render_batch(
+    tokenizer: Any, conversations: Sequence[Messages], max_length: int, special_ids: set[int]
+) -> list[Rendered | TemplateError]:
+    """Conversations -> one Rendered each (or the TemplateError that prevented it), tokenized in one batch."""
+    texts, all_spans, results = [], [], []
+    for messages in conversations:
+        try:
+            text, spans = assistant_spans(tokenizer, messages)
+        except TemplateError as err:
+            results.append(err)
+            continue
+        results.append(None)
+        texts.append(text)
+        all_spans.append(spans)
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+    j = 0
+    for i, slot in enumerate(results):
+        if slot is not None:
+            continue
+        ids = encoded["input_ids"][j]
+        starts = [start for start, _ in encoded["offset_mapping"][j]]
+        results[i] = _to_rendered(ids, starts, all_spans[j], max_length, special_ids)
+        j += 1
+    return results
+
+
+def render(tokenizer: Any, messages: Messages, max_length: int) -> Rendered:
+    """One conversation -> Rendered; raises TemplateError."""
+    (result,) = render_batch(tokenizer, [messages], max_length, special_token_ids(tokenizer))
+    if isinstance(result, TemplateError):
+        raise result
+    return result
+
+
+def _to_rendered(
+    ids: list[int], starts: list[int], spans: list[tuple[int, int]], max_length: int, special_ids: set[int]
+) -> Rendered:
+    mask = np.zeros(len(ids), dtype=np.int8)  # [T]
+    for start, end in spans:
+        first, stop = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)  # turn tokens [first, stop)
+        closing = [t for t in range(first, stop) if ids[t] in special_ids]
+        last = closing[-1] if closing else stop - 1  # no special closer: the whole turn is supervised
+        mask[first : last + 1] = 1
+    full = np.asarray(ids, dtype=np.int32)
+    return Rendered(
+        input_ids=full[:max_length],
+        loss_mask=mask[:max_length],
+        full_length=len(ids),
+        token_ids_seen=np.unique(full),
+    )

@@ -1,0 +1,154 @@
+"""Raw records -> normalised conversations, deduplicated, each with its split.
+
+A normalised conversation is `{"id": str, "messages": [{"role", "content"}, ...]}` with
+  - roles in {system, user, assistant} (ShareGPT's human/gpt/chatgpt/bard/bing and OpenAI's
+    user/assistant/model mapped onto them);
+  - contents stripped of surrounding whitespace, none empty;
+  - at least one user and one assistant message, the first non-system message a user one, and
+    the last message an assistant one (nothing unsupervised is left dangling at the end).
+
+Both record forms are accepted, told apart per message: ShareGPT `{"from", "value"}` and OpenAI
+`{"role", "content"}`, under a `conversations` or a `messages` list. A record that cannot be
+used is skipped under a named reason; a message that is dropped from a kept conversation is
+counted separately (`dropped_messages`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from typing import Any, Iterable
+
+USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
+ROLES = {
+    "human": USER,
+    "user": USER,
+    "gpt": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "bard": ASSISTANT,
+    "bing": ASSISTANT,
+    "assistant": ASSISTANT,
+    "model": ASSISTANT,
+    "system": SYSTEM,
+}
+SPLITS = ("train", "val", "test")
+
+
+class Skip(Exception):
+    """A record that cannot become a conversation; `reason` names why (a key of `skipped`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalize_record(record: Any) -> tuple[dict[str, Any], Counter]:
+    """One raw record -> ({"id", "messages"}, dropped-message counts); raises Skip(reason)."""
+    if not isinstance(record, dict):
+        raise Skip("not_an_object")
+    raw_messages = record.get("conversations", record.get("messages"))
+    if raw_messages is None:
+        raise Skip("missing_messages")
+    if not isinstance(raw_messages, list):
+        raise Skip("wrong_type")
+
+    dropped: Counter = Counter()
+    messages = []
+    for raw in raw_messages:
+        role, content = _read_message(raw)
+        content = content.strip()
+        if content:
+            messages.append({"role": role, "content": content})
+        else:
+            dropped["empty_message"] += 1
+    if not messages:
+        raise Skip("empty_conversation")
+    messages = _trim(messages, dropped)
+    if not any(m["role"] == ASSISTANT for m in messages):  # no user turn ever answered
+        raise Skip("one_sided")
+    return {"id": _record_id(record, messages), "messages": messages}, dropped
+
+
+def normalize_records(records: Iterable[Any]) -> tuple[list[dict[str, Any]], Counter, Counter]:
+    """Raw records -> (conversations in input order, skipped reason -> count, dropped messages).
+
+    Deduplicates by id: the first usable record with an id wins, later ones count as `duplicate_id`.
+    """
+    conversations, seen = [], set()
+    skipped: Counter = Counter()
+    dropped: Counter = Counter()
+    for record in records:
+        try:
+            conversation, record_dropped = normalize_record(record)
+        except Skip as skip:
+            skipped[skip.reason] += 1
+            continue
+        if conversation["id"] in seen:
+            skipped["duplicate_id"] += 1
+            continue
+        seen.add(conversation["id"])
+        dropped.update(record_dropped)
+        conversations.append(conversation)
+    return conversations, skipped, dropped
+
+
+def assign_split(conversation_id: str, split_seed: int, val_fraction: float, test_fraction: float) -> str:
+    """id -> "train" | "val" | "test", from sha256(f"{split_seed}:{id}") alone (stable across runs and sources)."""
+    digest = hashlib.sha256(f"{split_seed}:{conversation_id}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def _read_message(raw: Any) -> tuple[str, str]:
+    """One message in either form -> (normalised role, content); raises Skip."""
+    if not isinstance(raw, dict):
+        raise Skip("wrong_type")
+    if "from" in raw or "value" in raw:
+        keys = ("from", "value")
+    elif "role" in raw or "content" in raw:
+        keys = ("role", "content")
+    else:
+        raise Skip("missing_fields")
+    if any(k not in raw for k in keys):
+        raise Skip("missing_fields")
+    role, content = raw[keys[0]], raw[keys[1]]
+    if isinstance(content, list):  # OpenAI content parts: only text parts are usable
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise Skip("wrong_type")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise Skip("wrong_type")
+    if role.lower() not in ROLES:
+        raise Skip("unknown_role")
+    return ROLES[role.lower()], content
+
+
+def _trim(messages: list[dict[str, str]], dropped: Counter) -> list[dict[str, str]]:
+    """Drop assistant messages before the first user one, and unanswered messages after the last assistant one."""
+    kept, seen_user = [], False
+    for m in messages:
+        if m["role"] == ASSISTANT and not seen_user:
+            dropped["leading_assistant"] += 1
+            continue
+        seen_user = seen_user or m["role"] == USER
+        kept.append(m)
+    while kept and kept[-1]["role"] != ASSISTANT:
+        kept.pop()
+        dropped["trailing_unanswered"] += 1
+    return kept
+
+
+def _record_id(record: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """The record's own id, or a hash of its normalised content when it has none."""
+    rid = record.get("id")
+    if rid is None or (isinstance(rid, str) and not rid.strip()):
+        text = json.dumps(messages, ensure_ascii=False, sort_keys=True)
+        return "sha256-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise Skip("wrong_type")
+    return str(rid).strip()

@@ -1,0 +1,171 @@
+"""The `regenerate` stage: the target rewrites the assistant turns of the train split (optional).
+
+A draft trained on the target's own replies accepts more than one trained on someone else's.
+
+    disabled: paths.prepared --copy--> paths.regenerated (meta "regenerated": 0)
+    enabled:  the first `max_conversations` train conversations, in chunks of `batch_size`,
+              --rewrite_conversations--> journal --render + mask (as prepare)--> paths.regenerated
+              val and test are copied unchanged; train holds only the rewritten conversations.
+
+Resumable: each finished chunk is one journal line in `<paths.regenerated>.work/`; a killed run
+skips the chunks already there. A chunk's RNG is seeded from (seed, chunk index) and its batch
+is always the same conversations, so a resumed run produces what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import Dataset, DatasetDict
+from tqdm import tqdm
+
+from dominospec.cli import UserError
+from dominospec.config import Params, RegenerateParams
+from dominospec.data.chat import TemplateError, render_batch, special_token_ids
+from dominospec.data.dataset import FEATURES, META_FILE, read_dataset, replace_path, temp_sibling, write_dataset, write_json
+from dominospec.data.journal import Journal
+from dominospec.data.replies import rewrite_conversations
+from dominospec.target import load_target
+
+
+def regenerate(params: Params) -> None:
+    """Params -> `paths.regenerated` (dataset + meta.json) and `paths.metrics/regenerate.json`."""
+    started = time.perf_counter()
+    cfg = params.regenerate
+    splits, meta = read_dataset(params.paths.prepared)
+    metrics_path = Path(params.paths.metrics) / "regenerate.json"
+    if not cfg.enabled:
+        copy_unchanged(Path(params.paths.prepared), Path(params.paths.regenerated), meta)
+        write_json(metrics_path, {"enabled": False, "conversations_regenerated": 0, "tokens_generated": 0,
+                                  "splits": {s: len(d) for s, d in splits.items()},
+                                  "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+        return
+    _check(cfg)
+    target = load_target(params.target)
+    if not target.identity.same_model(meta["target"]):
+        raise UserError(
+            f"{params.paths.prepared} was prepared for target {meta['target']['name']}, not {target.identity.name}: "
+            "re-run the prepare stage"
+        )
+    max_length = int(meta["max_length"])
+    train = splits["train"]
+    count = len(train) if cfg.max_conversations is None else min(cfg.max_conversations, len(train))
+    chunks = [list(range(i, min(i + cfg.batch_size, count))) for i in range(0, count, cfg.batch_size)]
+
+    journal = Journal(work_dir(params.paths.regenerated) / "journal.jsonl", _fingerprint(cfg, meta, train, count))
+    done = journal.load()
+    resumed = sum(len(chunks[c]) for c in done if c < len(chunks))
+    if done:
+        print(f"regenerate: resuming, {resumed}/{count} conversations already rewritten", file=sys.stderr)
+    new_tokens, generation_seconds = 0, 0.0
+    with tqdm(total=count, initial=resumed, desc="regenerate", unit="conv") as bar:
+        for c, rows in enumerate(chunks):
+            if c in done:
+                continue
+            torch.manual_seed(_chunk_seed(cfg.seed, c))
+            tick = time.perf_counter()
+            rewritten = rewrite_conversations(target, [train[i]["messages"] for i in rows], cfg, max_length)
+            generation_seconds += time.perf_counter() - tick
+            entries = [{"id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
+            journal.append(c, entries)
+            done[c] = entries
+            new_tokens += sum(r.generated_tokens for r in rewritten)
+            bar.update(len(rows))
+
+    entries = [e for c in range(len(chunks)) for e in done[c]]
+    new_train, skipped = _render(target.tokenizer, entries, max_length, int(meta["mask_token_id"]))
+    out = DatasetDict(train=new_train, val=splits["val"], test=splits["test"])
+    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": len(new_train)})
+    journal.remove()
+    shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
+    write_json(
+        metrics_path,
+        {
+            "enabled": True,
+            "conversations_regenerated": len(new_train),
+            "conversations_resumed": resumed,
+            "assistant_turns_regenerated": sum(e["assistant_turns"] for e in entries),
+            "tokens_generated": sum(e["generated_tokens"] for e in entries),
+            "tokens_generated_this_run": new_tokens,
+            "tokens_per_second": round(new_tokens / generation_seconds, 2) if generation_seconds else None,
+            "skipped": dict(sorted(skipped.items())),
+            "splits": {s: len(d) for s, d in out.items()},
+            "temperature": cfg.temperature,
+            "max_new_tokens": cfg.max_new_tokens,
+            "seconds": round(time.perf_counter() - started, 2),
+        },
+    )
+
+
+def work_dir(regenerated: str | Path) -> Path:
+    """Where a run keeps its journal: next to the output, outside it (DVC deletes the output first)."""
+    regenerated = Path(regenerated)
+    return regenerated.with_name(regenerated.name + ".work")
+
+
+def copy_unchanged(prepared: Path, out: Path, meta: dict[str, Any]) -> None:
+    """prepared dataset -> `out`, all splits as they are, meta gaining "regenerated": 0; atomic."""
+    tmp = temp_sibling(out)
+    shutil.copytree(prepared, tmp)
+    (tmp / META_FILE).write_text(json.dumps({**meta, "regenerated": 0}, indent=2) + "\n")
+    replace_path(tmp, out)
+
+
+def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask_token_id: int) -> tuple[Dataset, Counter]:
+    """Journal entries -> (train split in the dataset format, skipped reason -> count), masked exactly as prepare does."""
+    skipped: Counter = Counter()
+    rendered = render_batch(tokenizer, [e["messages"] for e in entries], max_length, special_token_ids(tokenizer))
+    rows = []
+    for entry, r in zip(entries, rendered):
+        if not entry["messages"]:
+            skipped["prompt_reaches_max_length"] += 1  # no room left for even one reply
+        elif isinstance(r, TemplateError):
+            skipped["template_mismatch"] += 1
+        elif not r.loss_mask.any():
+            skipped["no_assistant_tokens"] += 1
+        elif mask_token_id in r.token_ids_seen:
+            skipped["contains_mask_token"] += 1  # the reply spelled out the reserved MASK token
+        else:
+            rows.append(
+                {
+                    "id": entry["id"],
+                    "messages": entry["messages"],
+                    "input_ids": r.input_ids,
+                    "loss_mask": r.loss_mask,
+                    "num_tokens": len(r.input_ids),
+                }
+            )
+    if not rows:
+        return Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES), skipped
+    return Dataset.from_list(rows, features=FEATURES), skipped
+
+
+def _fingerprint(cfg: RegenerateParams, meta: dict[str, Any], train: Dataset, count: int) -> dict[str, Any]:
+    """What a journal's work depends on: the params, the prepared data's meta and the rows rewritten."""
+    h = hashlib.sha256()
+    for row in train.select(range(count)).select_columns(["id", "messages"]):
+        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode())
+    return {"regenerate": dataclasses.asdict(cfg), "prepared_meta": meta, "train_rows": h.hexdigest()}
+
+
+def _chunk_seed(seed: int, chunk: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{chunk}".encode()).digest()[:7], "big")
+
+
+def _check(cfg: RegenerateParams) -> None:
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
+        raise UserError("regenerate.batch_size and regenerate.max_new_tokens must be at least 1")
+    if cfg.max_conversations is not None and cfg.max_conversations < 1:
+        raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise UserError(f"regenerate: temperature must be >= 0 and top_p in (0, 1], got {cfg.temperature}, {cfg.top_p}")

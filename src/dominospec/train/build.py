@@ -1,0 +1,125 @@
+"""Assemble what the train stage needs: draft config from params + target, module, data module.
+
+The draft's shapes come from `params.draft` (null = as the target); the feature layers and
+the mask token come from the cache manifest (cache mode) or from the cache params and the
+prepared data's meta.json (online mode), so the draft always matches the data it learns from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from dominospec.cli import UserError
+from dominospec.config import DraftParams, Params
+from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
+from dominospec.target import Target, load_target
+
+
+@dataclass
+class TrainingSetup:
+    """The pieces `train()` hands to Lightning."""
+
+    module: Any  # DraftLitModule
+    datamodule: Any  # DraftDataModule
+    data_fingerprint: str
+    target: Target
+
+
+def rope_theta(target_config: Any) -> float:
+    """RoPE base of a target config (transformers 4.x `rope_theta`, 5.x `rope_parameters`)."""
+    params = getattr(target_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(target_config, "rope_theta", 10000.0))
+
+
+def draft_config(draft: DraftParams, target: Target, layer_ids: list[int], mask_token_id: int) -> DominoDraftConfig:
+    """params.draft + the loaded target + feature layers + MASK id -> DominoDraftConfig."""
+    tc = target.model.config
+    heads = draft.num_attention_heads or tc.num_attention_heads
+    head_dim = draft.head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return DominoDraftConfig(
+        vocab_size=target.identity.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=draft.intermediate_size or tc.intermediate_size,
+        num_hidden_layers=draft.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=draft.num_key_value_heads or getattr(tc, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta(tc),
+        block_size=draft.block_size,
+        num_target_layers=target.num_layers,
+        emb_dim=draft.emb_dim,
+        dflash_config={
+            "mask_token_id": int(mask_token_id),
+            "target_layer_ids": list(layer_ids),
+            "projector_type": "domino",
+            "pure_draft_prefix_len": 1,
+            "emb_dim": draft.emb_dim,
+            "gru_hidden_dim": draft.gru_hidden_dim,
+            "shift_label": True,
+        },
+        use_domino_head=draft.use_domino_head,
+        target=target.identity.as_dict(),
+    )
+
+
+def _feature_source(params: Params, target: Target) -> tuple[list[int], int, str]:
+    """-> (layer ids, mask token id, data fingerprint) from the cache or the prepared data."""
+    if params.train.features == "cache":
+        from dominospec.cache.format import read_manifest
+
+        manifest = read_manifest(Path(params.paths.cache))
+        if not target.identity.same_model(manifest.target):
+            raise UserError(
+                f"the cache at {params.paths.cache} was made from target {manifest.target.get('name')} "
+                f"({manifest.target.get('sha256') or manifest.target.get('revision')}), not the configured "
+                f"{target.identity.name}: re-run the cache stage"
+            )
+        return list(manifest.layer_ids), int(manifest.mask_token_id), manifest.fingerprint
+    from dominospec.cache.features import resolve_layer_ids
+
+    meta_path = Path(params.paths.regenerated) / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"online features need the prepared data: {meta_path} is missing (run prepare/regenerate)")
+    meta = json.loads(meta_path.read_text())
+    fingerprint = hashlib.sha256(meta_path.read_bytes()).hexdigest()[:16]
+    return resolve_layer_ids(params.cache, target.num_layers), int(meta["mask_token_id"]), fingerprint
+
+
+def build_training(params: Params, train_limit: Optional[int] = None) -> TrainingSetup:
+    """Params -> TrainingSetup (loads the target once; its weights stay frozen)."""
+    from dominospec.train.datamodule import DraftDataModule
+    from dominospec.train.module import DraftLitModule
+
+    target = load_target(params.target)
+    layer_ids, mask_token_id, fingerprint = _feature_source(params, target)
+    config = draft_config(params.draft, target, layer_ids, mask_token_id)
+    draft = DFlashDraftModel(config)
+    lm_head = target.lm_head
+    if getattr(lm_head, "bias", None) is not None:
+        raise UserError("targets whose LM head has a bias are not supported")
+    module = DraftLitModule(
+        draft,
+        embed_weight=target.embed_tokens.weight,
+        lm_head_weight=lm_head.weight,
+        train=params.train,
+        online_target=target.model if params.train.features == "online" else None,
+        layer_ids=layer_ids,
+    )
+    datamodule = DraftDataModule(
+        features=params.train.features,
+        cache_dir=Path(params.paths.cache),
+        data_dir=Path(params.paths.regenerated),
+        batch_size=params.train.batch_size,
+        val_max_sequences=params.train.val_max_sequences,
+        num_workers=params.train.num_workers,
+        seed=params.train.seed,
+        train_limit=train_limit,
+    )
+    return TrainingSetup(module=module, datamodule=datamodule, data_fingerprint=fingerprint, target=target)

@@ -1,0 +1,200 @@
+"""`DraftLitModule`: the LightningModule around the plain draft model.
+
+It owns the loss (base-anchored curriculum), the optimiser and the logging; the draft itself
+(`dominospec.models.domino.DFlashDraftModel`) knows nothing of Lightning and is what gets exported.
+The target's embedding table and LM head are frozen, non-persistent buffers: used, never trained,
+never saved in checkpoints. In `online` feature mode the frozen target also computes the
+features inside the step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from dominospec.config import TrainParams
+from dominospec.models.domino import DFlashDraftModel
+from dominospec.train.objective import (
+    curriculum_lambda,
+    domino_loss,
+    draft_block_logits,
+    make_blocks,
+    position_weights,
+)
+
+
+class BlockAccuracy:
+    """Accumulates, per block position k, how many blocks had slots 0..k all right (and counted)."""
+
+    def __init__(self, block_size: int):
+        self.right = torch.zeros(block_size, dtype=torch.float64)
+        self.counted = torch.zeros(block_size, dtype=torch.float64)
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> None:
+        """logits [..., Bk, V], labels / label_mask [..., Bk]."""
+        Bk = labels.shape[-1]
+        correct = (logits.argmax(-1) == labels).reshape(-1, Bk).long().cpu()
+        mask = label_mask.reshape(-1, Bk).long().cpu()
+        counted = mask.cumprod(1)
+        self.right += (correct.cumprod(1) * counted).sum(0).double()
+        self.counted += counted.sum(0).double()
+
+    def prefix_accuracy(self) -> list[float]:
+        """[Bk]: P(slots 0..k all accepted), k = 0..Bk-1."""
+        return (self.right / self.counted.clamp(min=1)).tolist()
+
+    def acceptance_length(self) -> float:
+        """Expected tokens per verify round, bonus included: 1 + sum_k P(slots 0..k accepted)."""
+        return 1.0 + float(sum(self.prefix_accuracy()))
+
+
+class DraftLitModule(L.LightningModule):
+    """Trains `draft` on blocks drawn from (token ids, loss mask, target features) batches."""
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        train: TrainParams,
+        online_target: Optional[torch.nn.Module] = None,
+        layer_ids: Optional[list[int]] = None,
+    ):
+        super().__init__()
+        self.draft = draft
+        self.hp = train
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)  # [V, H]
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)  # [V, H]
+        self.register_buffer("slot_weights", position_weights(draft.config.block_size, train.loss_gamma), persistent=False)
+        # The online target is frozen and not part of this module's state (not saved, not trained).
+        self.__dict__["online_target"] = online_target
+        self.layer_ids = layer_ids
+        self.val_head = BlockAccuracy(draft.config.block_size)
+        self.val_base = BlockAccuracy(draft.config.block_size)
+        self.val_loss_sum, self.val_batches = 0.0, 0
+        self.last_summary: dict[str, Any] = {}
+
+    # ---- frozen target parts -------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> target embeddings [..., H] (frozen)."""
+        return F.embedding(ids, self.embed_weight)
+
+    def lm_head(self, z: torch.Tensor) -> torch.Tensor:
+        """Draft states [..., H] -> base logits [..., V] through the target's frozen LM head."""
+        return F.linear(z, self.lm_head_weight.to(z.dtype))
+
+    def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Batch -> target features [B, T, n*H]: from the cache, or computed now (online mode)."""
+        if "target_hidden" in batch:
+            return batch["target_hidden"]
+        from dominospec.cache.features import target_hidden
+
+        target = self.online_target
+        if target.device != self.device:
+            target.to(self.device)
+        T = batch["input_ids"].shape[1]
+        attention_mask = (torch.arange(T, device=self.device)[None] < batch["lengths"][:, None].to(self.device)).long()
+        return target_hidden(target, batch["input_ids"], attention_mask, self.layer_ids).clone()
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def _blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator):
+        cfg = self.draft.config
+        return make_blocks(
+            batch["input_ids"], batch["loss_mask"], self.hp.num_anchors, cfg.block_size, cfg.mask_token_id, generator
+        )
+
+    def _generator(self, salt: int) -> torch.Generator:
+        """Anchors are a function of (seed, step, rank): a resumed run draws what it would have drawn."""
+        return torch.Generator().manual_seed(self.hp.seed * 1_000_003 + salt * 7919 + self.global_rank)
+
+    def curriculum(self) -> float:
+        """lambda at the current optimiser step (1 -> 0 over lambda_decay_fraction of max_steps)."""
+        return curriculum_lambda(self.global_step, self.trainer.max_steps, self.hp.lambda_decay_fraction)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        feats = self.features(batch)
+        blocks = self._blocks(batch, self._generator(self.global_step))
+        base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, _to(blocks, self.device))
+        lam = self.curriculum()
+        loss, loss_base, loss_final = domino_loss(base, final, blocks.labels.to(self.device),
+                                                  blocks.label_mask.to(self.device), self.slot_weights, lam)
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/loss_base", loss_base, batch_size=bs)
+        self.log("train/loss_final", loss_final, batch_size=bs)
+        self.log("train/lambda", lam, batch_size=bs)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=bs)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_head = BlockAccuracy(self.draft.config.block_size)
+        self.val_base = BlockAccuracy(self.draft.config.block_size)
+        self.val_loss_sum, self.val_batches = 0.0, 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        feats = self.features(batch)
+        blocks = _to(self._blocks(batch, self._generator(10**9 + batch_idx)), self.device)  # fixed anchors
+        base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
+        _, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights, 0.0)
+        self.val_base.update(base, blocks.labels, blocks.label_mask)
+        self.val_head.update(final if final is not None else base, blocks.labels, blocks.label_mask)
+        self.val_loss_sum += float(loss_final)
+        self.val_batches += 1
+
+    def on_validation_epoch_end(self) -> None:
+        head, base = self.val_head, self.val_base
+        if self.trainer.world_size > 1:  # pool the counts of all ranks
+            for acc in (head, base):
+                acc.right = self.all_gather(acc.right.to(self.device)).sum(0).cpu().reshape(-1)
+                acc.counted = self.all_gather(acc.counted.to(self.device)).sum(0).cpu().reshape(-1)
+        self.last_summary = {
+            "acceptance_length": head.acceptance_length(),
+            "acceptance_length_base": base.acceptance_length(),
+            "accuracy_by_position": head.prefix_accuracy(),
+            "accuracy_by_position_base": base.prefix_accuracy(),
+            "loss": self.val_loss_sum / max(1, self.val_batches),
+        }
+        self.log("val/acceptance_length", self.last_summary["acceptance_length"], sync_dist=False)
+        self.log("val/acceptance_length_base", self.last_summary["acceptance_length_base"], sync_dist=False)
+        self.log("val/loss", self.last_summary["loss"], sync_dist=True)
+        for k, (a, b) in enumerate(zip(head.prefix_accuracy(), base.prefix_accuracy())):
+            self.log(f"val/accuracy_pos{k + 1}", a, sync_dist=False)
+            self.log(f"val/accuracy_base_pos{k + 1}", b, sync_dist=False)
+
+    def final_validation(self) -> dict[str, Any]:
+        """Summary of the last validation pass (acceptance lengths, accuracy by position, loss)."""
+        return dict(self.last_summary)
+
+    # ---- optimisation --------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW on the draft's parameters; linear warm-up then cosine to lr * min_lr_ratio."""
+        hp = self.hp
+        opt = torch.optim.AdamW(self.draft.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
+        total = max(1, self.trainer.max_steps)
+        warmup = max(1, int(hp.warmup_fraction * total))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _to(blocks: Any, device: torch.device) -> Any:
+    """Move every tensor field of a BlockBatch to `device`."""
+    import dataclasses
+
+    return dataclasses.replace(blocks, **{
+        f.name: getattr(blocks, f.name).to(device) for f in dataclasses.fields(blocks)
+        if isinstance(getattr(blocks, f.name), torch.Tensor)
+    })

@@ -1,0 +1,310 @@
+"""The Domino training objective, pure torch: anchors -> blocks -> masks -> logits -> losses -> metrics.
+
+Layout (shift_label = true). For an anchor a of a sequence x[0..T-1], block slot j (0 <= j < Bk):
+    block input   x[a] at j = 0, MASK elsewhere            (target-embedded)
+    position      a + j
+    label         x[a+1+j]      supervised iff a+1+j < T and loss_mask[a+1+j]
+    GRU input     x[a+j]        (teacher forcing: state j has consumed x[a..a+j])
+    context       target features at positions < a (strictly: the anchor's own is not visible)
+
+Losses: position weights w_k = exp(-k/gamma); L_base and L_final are sum(w * CE) / sum(w) over
+supervised slots; L = (1 - lam) * L_final + lam * L_base with lam linear 1 -> 0 (the base-anchored
+curriculum). Base logits come from z only, so L_base never reaches the head.
+
+Metrics: accuracy by position (marginal), prefix accuracy by position (all slots <= k right,
+per block, then mean) and the expected acceptance length 1 + sum_k prefix_k, which is exact for
+greedy drafting because the teacher-forced prefix equals the drafted one whenever it is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Anchors and block tensors for one sequence
+# ----------------------------------------------------------------------------------------------
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """loss_mask [T] bool -> anchors [N] sorted, N = min(num_anchors, #valid), drawn uniformly
+    without replacement. Valid: loss_mask[a], a + 1 < T, and at least one supervised label among
+    x[a+1 .. a+block_size] (so every block trains something)."""
+    T = loss_mask.shape[0]
+    mask = loss_mask.bool().cpu()
+    # supervised[a] = any(loss_mask[a+1 : a+1+block_size]); padded so windows past T see False.
+    ahead = F.pad(mask[1:].float(), (0, block_size))  # [T - 1 + Bk]
+    supervised = ahead.unfold(0, block_size, 1)[:T].amax(dim=-1) > 0  # [T]
+    valid = (mask & supervised).nonzero().flatten()
+    valid = valid[valid + 1 < T]
+    n = min(num_anchors, valid.numel())
+    pick = torch.randperm(valid.numel(), generator=generator)[:n]
+    return valid[pick].sort().values.to(loss_mask.device)
+
+
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """anchors [N] -> absolute positions a + j [N, Bk]."""
+    return anchors[:, None] + torch.arange(block_size, device=anchors.device)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """input_ids [T], anchors [N] -> block token ids [N, Bk] = [x_a, MASK x (Bk-1)]."""
+    block_ids = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[:, 0] = input_ids[anchors]
+    return block_ids
+
+
+def block_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [T], loss_mask [T], anchors [N] -> labels x[a+1+j] [N, Bk] and label_mask [N, Bk]
+    (in bounds and loss_mask at the label position; out-of-bounds labels are clamped, masked)."""
+    T = input_ids.shape[0]
+    pos = block_positions(anchors, block_size) + 1  # [N, Bk] label positions
+    in_bounds = pos < T
+    pos = pos.clamp(max=T - 1)
+    return input_ids[pos], in_bounds & loss_mask.bool()[pos]
+
+
+def gru_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """input_ids [T], anchors [N] -> teacher-forcing GRU inputs x[a+j] [N, Bk] (clamped in bounds;
+    a clamped slot only feeds slots whose labels are out of bounds and masked)."""
+    pos = block_positions(anchors, block_size).clamp(max=input_ids.shape[0] - 1)
+    return input_ids[pos]
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """anchors [N], context length S -> bool [Q, S+Q], Q = N*Bk, True = may attend.
+    Block b sees context rows kv < anchors[b] and all Bk slots of itself, nothing of other blocks."""
+    N = anchors.numel()
+    block_of = torch.arange(N * block_size, device=anchors.device) // block_size  # [Q]
+    ctx = torch.arange(context_len, device=anchors.device)[None] < anchors[block_of][:, None]  # [Q, S]
+    own = block_of[:, None] == block_of[None]  # [Q, Q]
+    return torch.cat([ctx, own], dim=1)
+
+
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """anchors [B, N] (padded), context length S -> flex_attention BlockMask over [Q, S+Q] with
+    the same visibility as `block_attention_mask`, for every sequence b."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, N = anchors.shape
+    Q = N * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        in_ctx = kv_idx < context_len
+        sees_ctx = in_ctx & (kv_idx < anchors[b, block])
+        sees_own = (~in_ctx) & ((kv_idx - context_len) // block_size == block)
+        return sees_ctx | sees_own
+
+    return create_block_mask(mask_mod, B, None, Q, context_len + Q, device=anchors.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# A padded batch of blocks
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockBatch:
+    """Blocks of B sequences, N = max anchors per sequence (short sequences padded, block_keep False).
+
+    anchors [B, N], block_keep [B, N], block_ids / positions / labels / label_mask / gru_ids
+    [B, N, Bk], attention_mask [B, 1, N*Bk, T+N*Bk] bool.
+    """
+
+    anchors: torch.Tensor
+    block_keep: torch.Tensor
+    block_ids: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    label_mask: torch.Tensor
+    gru_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.block_ids.shape[-1]
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    generator: Optional[torch.Generator] = None,
+    anchors: Optional[list[torch.Tensor]] = None,
+) -> BlockBatch:
+    """input_ids [B, T], loss_mask [B, T] (False on padding) -> BlockBatch, anchors re-drawn
+    (or the given per-sequence `anchors`, for evaluation and tests)."""
+    B, T = input_ids.shape
+    if anchors is None:
+        anchors = [sample_anchors(loss_mask[b], num_anchors, block_size, generator) for b in range(B)]
+    N = max(1, max(a.numel() for a in anchors))
+    padded = torch.zeros(B, N, dtype=torch.long, device=input_ids.device)
+    keep = torch.zeros(B, N, dtype=torch.bool, device=input_ids.device)
+    for b, a in enumerate(anchors):
+        padded[b, : a.numel()] = a.to(input_ids.device)
+        keep[b, : a.numel()] = True
+    parts = {k: [] for k in ("block_ids", "labels", "label_mask", "gru_ids", "mask")}
+    for b in range(B):
+        labels, label_mask = block_labels(input_ids[b], loss_mask[b], padded[b], block_size)
+        parts["block_ids"].append(block_inputs(input_ids[b], padded[b], block_size, mask_token_id))
+        parts["labels"].append(labels)
+        parts["label_mask"].append(label_mask & keep[b, :, None])
+        parts["gru_ids"].append(gru_inputs(input_ids[b], padded[b], block_size))
+        parts["mask"].append(block_attention_mask(padded[b], T, block_size))
+    return BlockBatch(
+        anchors=padded,
+        block_keep=keep,
+        block_ids=torch.stack(parts["block_ids"]),
+        positions=block_positions(padded.flatten(), block_size).view(B, N, block_size),
+        labels=torch.stack(parts["labels"]),
+        label_mask=torch.stack(parts["label_mask"]),
+        gru_ids=torch.stack(parts["gru_ids"]),
+        attention_mask=torch.stack(parts["mask"])[:, None],
+    )
+
+
+def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tensor, blocks: BlockBatch, mask=None):
+    """One training forward: target_features [B, T, n*H] + BlockBatch -> (base, final) logits
+    [B, N, Bk, V]; final is None when the draft's head is off. `mask` overrides the boolean
+    attention mask (e.g. a flex BlockMask from `flex_block_mask`). Computes each [.., V] once."""
+    B, N, Bk = blocks.block_ids.shape
+    block_embeds = embed_tokens(blocks.block_ids.view(B, N * Bk))  # [B, Q, H]
+    z = draft(
+        block_embeds,
+        blocks.positions.view(B, N * Bk),
+        target_features=target_features,
+        attention_mask=blocks.attention_mask if mask is None else mask,
+    )  # [B, Q, H]
+    z = z.view(B * N, Bk, -1)
+    base = lm_head(z)  # [B*N, Bk, V]
+    if not draft.config.use_domino_head:
+        return base.view(B, N, Bk, -1), None
+    states = draft.gru_states(embed_tokens(blocks.gru_ids.view(B * N, Bk)))  # [B*N, Bk, G]
+    final = draft.final_logits(base, z, states)
+    return base.view(B, N, Bk, -1), final.view(B, N, Bk, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses and the curriculum
+# ----------------------------------------------------------------------------------------------
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """-> w [Bk], w_k = exp(-k / gamma): early slots matter most (a miss ends acceptance)."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
+
+
+def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits [..., Bk, V], labels / label_mask [..., Bk], w [Bk] -> scalar sum(w*CE) / sum(w)
+    over supervised slots (0, still attached to the graph, when nothing is supervised)."""
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), reduction="none").view(labels.shape)
+    w = weights.to(ce.device) * label_mask.float()  # [..., Bk]
+    return (w * ce).sum() / w.sum().clamp(min=1e-12)
+
+
+def curriculum_lambda(step: int, total_steps: int, decay_fraction: float) -> float:
+    """Optimizer step -> lam, linear from 1 at step 0 to 0 at decay_fraction * total_steps, then 0.
+    decay_fraction = 0 disables the curriculum (lam = 0 throughout)."""
+    decay_steps = decay_fraction * total_steps
+    if decay_steps <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - step / decay_steps))
+
+
+def domino_loss(
+    base_logits: torch.Tensor,
+    final_logits: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    weights: torch.Tensor,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (L, L_base, L_final) with L = (1 - lam) * L_final + lam * L_base. Without a head
+    (final_logits None) L = L_base = L_final. L_base depends on z only: no gradient into the head."""
+    loss_base = weighted_ce(base_logits, labels, label_mask, weights)
+    if final_logits is None:
+        return loss_base, loss_base, loss_base
+    loss_final = weighted_ce(final_logits, labels, label_mask, weights)
+    return (1.0 - lam) * loss_final + lam * loss_base, loss_base, loss_final
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def _flat(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor):
+    """[..., Bk, V], [..., Bk] -> correct [M, Bk] bool, label_mask [M, Bk] bool."""
+    Bk = labels.shape[-1]
+    correct = logits.argmax(dim=-1).reshape(-1, Bk) == labels.reshape(-1, Bk)
+    return correct, label_mask.reshape(-1, Bk).bool()
+
+
+@torch.no_grad()
+def accuracy_by_position(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """logits [..., Bk, V], labels / label_mask [..., Bk] -> marginal top-1 accuracy [Bk] over
+    supervised slots (0 where a slot is never supervised)."""
+    correct, mask = _flat(logits, labels, label_mask)
+    return (correct & mask).sum(0).float() / mask.sum(0).clamp(min=1).float()
+
+
+@torch.no_grad()
+def prefix_accuracy_by_position(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """-> [Bk], entry k = fraction of blocks whose slots 0..k are all right, over the blocks whose
+    slots 0..k are all supervised (0 where there are none). This is P(acceptance > k)."""
+    correct, mask = _flat(logits, labels, label_mask)
+    counted = mask.long().cumprod(dim=1).bool()  # [M, Bk]
+    all_right = correct.long().cumprod(dim=1).bool() & counted
+    return all_right.sum(0).float() / counted.sum(0).clamp(min=1).float()
+
+
+def conditional_accuracy(prefix_accuracy: torch.Tensor) -> torch.Tensor:
+    """Prefix accuracy p [Bk] -> c [Bk], c_k = P(slot k right | slots < k right) = p_k / p_{k-1}."""
+    previous = torch.cat([prefix_accuracy.new_ones(1), prefix_accuracy[:-1]])
+    return torch.where(previous > 0, prefix_accuracy / previous.clamp(min=1e-12), torch.zeros_like(previous))
+
+
+def expected_acceptance_length(conditional_acc: torch.Tensor) -> float:
+    """Conditional accuracies c [Bk] -> tau = 1 + sum_k prod_{i<=k} c_i (bonus token included).
+    Feed `conditional_accuracy(prefix_accuracy_by_position(...))`; marginal accuracies would
+    assume independent slots and misstate tau."""
+    return 1.0 + float(torch.cumprod(conditional_acc.double(), dim=0).sum())
+
+
+def acceptance_length(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> float:
+    """Teacher-forced logits [..., Bk, V] -> expected acceptance length tau in [1, Bk + 1]."""
+    return expected_acceptance_length(conditional_accuracy(prefix_accuracy_by_position(logits, labels, label_mask)))
+
+
+__all__ = [
+    "BlockBatch",
+    "sample_anchors",
+    "block_positions",
+    "block_inputs",
+    "block_labels",
+    "gru_inputs",
+    "block_attention_mask",
+    "flex_block_mask",
+    "make_blocks",
+    "draft_block_logits",
+    "position_weights",
+    "weighted_ce",
+    "curriculum_lambda",
+    "domino_loss",
+    "accuracy_by_position",
+    "prefix_accuracy_by_position",
+    "conditional_accuracy",
+    "expected_acceptance_length",
+    "acceptance_length",
+]
