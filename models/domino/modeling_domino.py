@@ -192,7 +192,7 @@ class DraftContextCache:
         """Keep the first n context rows of every layer."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
-                self.keys[i], self.values[i] = k[:, :, :n], v[:, :, 1:n+1]
+                self.keys[i], self.values[i] = k[:, :, :n], v[:, :, :n]
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -61,26 +60,27 @@ def target_params(target_dir: Path):
 def save_regenerated(
     directory: Path, identity: dict, sizes: dict[str, int], max_len: int = 48, seed: int = 0, min_len: int = 3
 ) -> Path:
-    """Random conversations in the regenerate stage's format: DatasetDict on disk + meta.json."""
+    """Random conversations written by the data stages' own writer: DatasetDict + meta.json."""
     import datasets
+
+    from dominospec.data.dataset import FEATURES, write_dataset
 
     g = torch.Generator().manual_seed(seed)
     splits = {}
     for split, n in sizes.items():
-        rows = {"id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "messages": []}
+        rows = {"id": [], "messages": [], "input_ids": [], "loss_mask": [], "num_tokens": []}
         for i in range(n):
             length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
             ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
             prompt = int(torch.randint(1, length, (1,), generator=g))
             rows["id"].append(f"{split}-{i}")
+            rows["messages"].append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
             rows["input_ids"].append(ids)
             rows["loss_mask"].append([0] * prompt + [1] * (length - prompt))
             rows["num_tokens"].append(length)
-            rows["messages"].append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
-        splits[split] = datasets.Dataset.from_dict(rows)
-    datasets.DatasetDict(splits).save_to_disk(str(directory))
+        splits[split] = datasets.Dataset.from_dict(rows, features=FEATURES)
     meta = {"format_version": 1, "target": identity, "mask_token_id": 7, "max_length": max_len, "source": "random"}
-    (directory / "meta.json").write_text(json.dumps(meta))
+    write_dataset(directory, datasets.DatasetDict(splits), meta)
     return directory
 
 

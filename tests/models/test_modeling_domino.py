@@ -140,6 +140,60 @@ def test_config_reads_other_spellings_and_rejects_inconsistency():
                                        shift_label=False))
 
 
+def _reference_one_layer(model, feats, block, anchor):
+    """An independent, loop-level re-derivation of a 1-layer draft for one block: RoPE as complex
+    rotation of (x_i, x_{i+D/2}) pairs, kv head of query head h = h // (heads / kv_heads)."""
+    sd = {k: v for k, v in model.state_dict().items()}
+
+    def rms(x, w):
+        return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+
+    def rope(x, pos):  # x [T, heads, D], pos [T]
+        half = HEAD_DIM // 2
+        freq = model.config.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / HEAD_DIM)
+        angle = pos[:, None, None] * freq  # [T, 1, D/2]
+        c = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+        return torch.cat([c.real, c.imag], dim=-1)
+
+    def kv(x, pos):
+        k = rms((x @ sd["layers.0.self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM),
+                sd["layers.0.self_attn.k_norm.weight"])
+        return rope(k, pos), (x @ sd["layers.0.self_attn.v_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
+
+    S = feats.shape[0]
+    ctx = rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"])  # [S, H]
+    h = rms(block, sd["layers.0.input_layernorm.weight"])  # [Bk, H]
+    q_pos = torch.arange(anchor, anchor + BK, dtype=torch.float64)
+    q = rope(rms((h @ sd["layers.0.self_attn.q_proj.weight"].T).view(BK, HEADS, HEAD_DIM),
+                 sd["layers.0.self_attn.q_norm.weight"]), q_pos)
+    k_ctx, v_ctx = kv(ctx, torch.arange(S, dtype=torch.float64))
+    k_blk, v_blk = kv(h, q_pos)
+    k, v = torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk])  # [S+Bk, kvh, D]
+    out = torch.zeros(BK, HEADS, HEAD_DIM, dtype=torch.float64)
+    for head in range(HEADS):
+        kv_head = head // (HEADS // KV_HEADS)
+        p = torch.softmax(q[:, head] @ k[:, kv_head].T / HEAD_DIM**0.5, dim=-1)
+        out[:, head] = p @ v[:, kv_head]
+    x = block + out.reshape(BK, -1) @ sd["layers.0.self_attn.o_proj.weight"].T
+    m = rms(x, sd["layers.0.post_attention_layernorm.weight"])
+    gate, up = m @ sd["layers.0.mlp.gate_proj.weight"].T, m @ sd["layers.0.mlp.up_proj.weight"].T
+    x = x + (torch.nn.functional.silu(gate) * up) @ sd["layers.0.mlp.down_proj.weight"].T
+    return rms(x, sd["norm.weight"])
+
+
+def test_backbone_matches_an_independent_reference():
+    model = tiny_model(num_hidden_layers=1)
+    with torch.no_grad():  # non-trivial norm weights, so a missing or misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    feats = torch.randn(7, N_FEAT * H, dtype=torch.float64)
+    block = torch.randn(BK, H, dtype=torch.float64)
+    with torch.no_grad():
+        z = model(block[None], torch.arange(7, 7 + BK), target_features=feats[None])[0]
+    torch.testing.assert_close(z, _reference_one_layer(model, feats, block, anchor=7), rtol=0, atol=1e-10)
+
+
 def _training_forward(model, embed, feats, anchors, block_embeds=None):
     """Blocks [x_a, MASK..] at the given anchors of one sequence -> z [N, Bk, H]."""
     S = feats.shape[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from dominospec.cache.writer import (
 )
 from dominospec.cli import UserError
 from dominospec.config import CacheParams, Params
+from dominospec.data.dataset import META_FILE, read_dataset
 from dominospec.target import load_target, pick_device
 
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
@@ -40,7 +42,7 @@ REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
 class Source:
     """The conversations to cache: the first N rows of each split, with their lengths."""
 
-    meta_json: bytes  # meta.json as written by the regenerate stage
+    meta_json: bytes  # meta.json as written by the regenerate stage (dominospec.data.dataset)
     meta: dict[str, Any]
     splits: dict[str, Any]  # split -> datasets.Dataset (first N rows)
     lengths: dict[str, list[int]]  # split -> tokens per row
@@ -49,29 +51,15 @@ class Source:
 
 def read_source(data_dir: Path, params: CacheParams) -> Source:
     """`paths.regenerated` -> Source, capped by max_{train,val}_conversations. UserError when unusable."""
-    import datasets
     import pyarrow.compute as pc
 
-    meta_path = data_dir / "meta.json"
-    if not meta_path.is_file():
-        raise UserError(f"{meta_path} not found: run the regenerate stage first (dvc repro regenerate)")
-    meta_json = meta_path.read_bytes()
-    try:
-        meta = json.loads(meta_json)
-        mask_token_id = meta["mask_token_id"]
-    except (ValueError, KeyError) as err:
-        raise UserError(f"{meta_path}: not a valid data meta file ({err})") from None
-    if not isinstance(mask_token_id, int):
-        raise UserError(f"{meta_path}: mask_token_id must be an int, got {mask_token_id!r}")
-    try:
-        data = datasets.load_from_disk(str(data_dir))
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"{data_dir}: cannot load the dataset: {err}") from None
+    data, meta = read_dataset(data_dir)  # checks meta.json's format version and the splits
+    meta_json = (data_dir / META_FILE).read_bytes()
+    if not isinstance(meta.get("mask_token_id"), int):
+        raise UserError(f"{data_dir / META_FILE}: mask_token_id must be an int, got {meta.get('mask_token_id')!r}")
     caps = {"train": params.max_train_conversations, "val": params.max_val_conversations}
     splits, lengths, sizes = {}, {}, {}
     for split, cap in caps.items():
-        if split not in data:
-            raise UserError(f"{data_dir}: no '{split}' split (has {sorted(data)})")
         ds = data[split]
         missing = [c for c in REQUIRED_COLUMNS if c not in ds.column_names]
         if missing:
@@ -131,7 +119,8 @@ def cache(params: Params) -> None:
     start_from(root, manifest)
     tqdm.write(
         f"cache: {remaining:,} tokens to compute, layers {layer_ids}, {manifest.bytes_per_token:,} B/token"
-        + (f", resuming after {resumed} shards" if any(resumed.values()) else "")
+        + (f", resuming after {resumed} shards" if any(resumed.values()) else ""),
+        file=sys.stderr,
     )
 
     dtype = fmt.DTYPES[cp.dtype]

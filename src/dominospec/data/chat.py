@@ -9,7 +9,8 @@ How, without knowing the template: render the conversation once, and for assista
 also render `messages[:k]` with the generation prompt and `messages[:k+1]` without it. Both must
 be prefixes of the full rendering (checked; a template that rewrites history fails with
 `TemplateError`); the characters between their ends are turn k. The full rendering is tokenized
-once with character offsets; a token belongs to turn k when it starts inside that span, and the
+once with character offsets; a token belongs to turn k when it overlaps that span (so a token
+merging the header's last space with the reply's first word counts as the reply's), and the
 turn's supervised tokens run from its first token to its last special token.
 """
 
@@ -91,9 +92,8 @@ def render_batch(
     for i, slot in enumerate(results):
         if slot is not None:
             continue
-        ids = encoded["input_ids"][j]
-        starts = [start for start, _ in encoded["offset_mapping"][j]]
-        results[i] = _to_rendered(ids, starts, all_spans[j], max_length, special_ids)
+        ids, offsets = encoded["input_ids"][j], encoded["offset_mapping"][j]
+        results[i] = _to_rendered(ids, offsets, all_spans[j], max_length, special_ids)
         j += 1
     return results
 
@@ -107,11 +107,14 @@ def render(tokenizer: Any, messages: Messages, max_length: int) -> Rendered:
 
 
 def _to_rendered(
-    ids: list[int], starts: list[int], spans: list[tuple[int, int]], max_length: int, special_ids: set[int]
+    ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]], max_length: int, special_ids: set[int]
 ) -> Rendered:
+    starts = [a for a, _ in offsets]  # [T] character offsets, non-decreasing
+    ends = [b for _, b in offsets]
     mask = np.zeros(len(ids), dtype=np.int8)  # [T]
     for start, end in spans:
-        first, stop = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)  # turn tokens [first, stop)
+        # turn tokens [first, stop): those ending after the span starts and starting before it ends
+        first, stop = bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)
         closing = [t for t in range(first, stop) if ids[t] in special_ids]
         last = closing[-1] if closing else stop - 1  # no special closer: the whole turn is supervised
         mask[first : last + 1] = 1

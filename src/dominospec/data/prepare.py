@@ -46,17 +46,17 @@ def prepare(params: Params) -> None:
     started = time.perf_counter()
     cfg = params.prepare
     _check(cfg)
+    raw = read_source(cfg.source, cfg.hub_split)  # first: bad input fails before anything slow
+    conversations, skipped, dropped = normalize_records(raw.records)
+    skipped.update(raw.skipped)
+    for c in conversations:
+        c["split"] = assign_split(c["id"], cfg.split_seed, cfg.val_fraction, cfg.test_fraction)
+
     tokenizer = load_tokenizer(params.target)
     identity = identity_without_weights(params.target)
     candidates = mask_token_candidates(tokenizer, params.target.mask_token_id)
     if params.target.mask_token_id is not None and not 0 <= params.target.mask_token_id < len(tokenizer):
         raise UserError(f"target.mask_token_id {params.target.mask_token_id} is not a token id (vocab {len(tokenizer)})")
-
-    raw = read_source(cfg.source, cfg.hub_split)
-    conversations, skipped, dropped = normalize_records(raw.records)
-    skipped.update(raw.skipped)
-    for c in conversations:
-        c["split"] = assign_split(c["id"], cfg.split_seed, cfg.val_fraction, cfg.test_fraction)
 
     table = tokenize(conversations, tokenizer, cfg, candidates)
     skipped.update(s for s in table["skip"] if s)

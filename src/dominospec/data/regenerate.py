@@ -24,7 +24,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
 from tqdm import tqdm
@@ -32,7 +31,16 @@ from tqdm import tqdm
 from dominospec.cli import UserError
 from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
-from dominospec.data.dataset import FEATURES, META_FILE, read_dataset, replace_path, temp_sibling, write_dataset, write_json
+from dominospec.data.dataset import (
+    FEATURES,
+    META_FILE,
+    empty_split,
+    read_dataset,
+    replace_path,
+    temp_sibling,
+    write_dataset,
+    write_json,
+)
 from dominospec.data.journal import Journal
 from dominospec.data.replies import rewrite_conversations
 from dominospec.target import load_target
@@ -46,9 +54,9 @@ def regenerate(params: Params) -> None:
     metrics_path = Path(params.paths.metrics) / "regenerate.json"
     if not cfg.enabled:
         copy_unchanged(Path(params.paths.prepared), Path(params.paths.regenerated), meta)
-        write_json(metrics_path, {"enabled": False, "conversations_regenerated": 0, "tokens_generated": 0,
-                                  "splits": {s: len(d) for s, d in splits.items()},
-                                  "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+        summary = {"enabled": False, "conversations_regenerated": 0, "tokens_generated": 0}
+        summary["splits"] = {s: len(d) for s, d in splits.items()}
+        write_json(metrics_path, {**summary, "seconds": round(time.perf_counter() - started, 2)})
         return
     _check(cfg)
     target = load_target(params.target)
@@ -145,9 +153,7 @@ def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask
                     "num_tokens": len(r.input_ids),
                 }
             )
-    if not rows:
-        return Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES), skipped
-    return Dataset.from_list(rows, features=FEATURES), skipped
+    return (Dataset.from_list(rows, features=FEATURES) if rows else empty_split()), skipped
 
 
 def _fingerprint(cfg: RegenerateParams, meta: dict[str, Any], train: Dataset, count: int) -> dict[str, Any]:

@@ -86,14 +86,13 @@ def generate_replies(
         input_ids[row, width - len(p) :] = torch.tensor(p)
         attention_mask[row, width - len(p) :] = 1
     sampling = cfg.temperature > 0
+    sampling_knobs = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)  # top_k 0: no implicit top-k 50
     generation = GenerationConfig(
         max_new_tokens=max(budgets),
         do_sample=sampling,
-        temperature=cfg.temperature if sampling else 1.0,
-        top_p=cfg.top_p if sampling else 1.0,
-        top_k=0,  # no implicit top-k: only temperature and top_p shape the distribution
         eos_token_id=stop_ids,
         pad_token_id=pad_id,
+        **(sampling_knobs if sampling else {}),
     )
     with torch.inference_mode():
         out = target.model.generate(

@@ -78,7 +78,9 @@ class StepBatchSampler(torch.utils.data.Sampler):
             yield [self._item(p) for p in range(first, first + self.bs)]
 
     def __len__(self) -> int:
-        return max(0, self.total - self.start)
+        # The whole run is one epoch of `total` batches; a resumed epoch has already counted
+        # `start` of them, so the length stays `total` while iteration begins at `start`.
+        return self.total
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -40,8 +40,7 @@ def sample_anchors(
     # supervised[a] = any(loss_mask[a+1 : a+1+block_size]); padded so windows past T see False.
     ahead = F.pad(mask[1:].float(), (0, block_size))  # [T - 1 + Bk]
     supervised = ahead.unfold(0, block_size, 1)[:T].amax(dim=-1) > 0  # [T]
-    valid = (mask & supervised).nonzero().flatten()
-    valid = valid[valid + 1 < T]
+    valid = (mask & supervised).nonzero().flatten()  # implies a + 1 < T
     n = min(num_anchors, valid.numel())
     pick = torch.randperm(valid.numel(), generator=generator)[:n]
     return valid[pick].sort().values.to(loss_mask.device)

@@ -1,0 +1,27 @@
+"""The target's KV cache: length and crop, the same on every transformers release.
+
+`DynamicCache.crop(x)` changed meaning across releases: older ones read x >= 0 as the absolute
+length to keep (and x < 0 as rows to drop); newer ones accept only x <= 0, rows to drop. A
+negative count means "drop that many rows" on both, so `crop_kv` only ever passes one, and
+never 0 (which the older releases read as "keep nothing").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kv_length(cache: Any) -> int:
+    """Cache -> number of cached positions (rows per layer)."""
+    return int(cache.get_seq_length())
+
+
+def crop_kv(cache: Any, length: int) -> None:
+    """Drop cached rows beyond `length` (keep positions 0..length-1); checks the result."""
+    current = kv_length(cache)
+    if length > current:
+        raise ValueError(f"cannot crop a KV cache of {current} rows to {length}")
+    if length < current:
+        cache.crop(length - current)  # negative: rows to drop (version-proof)
+    if kv_length(cache) != length:
+        raise RuntimeError(f"KV cache crop to {length} rows left {kv_length(cache)}: cache type not croppable")

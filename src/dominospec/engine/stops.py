@@ -1,0 +1,55 @@
+"""When generation stops: end-of-sequence tokens, stop strings, and the token budget.
+
+The stop tokens are the tokenizer's EOS, the model's `generation_config.eos_token_id` (an id or a
+list), and the special token that closes an assistant turn in the chat template (SmolLM2 and
+Qwen: `<|im_end|>`, Llama 3: `<|eot_id|>`), found by rendering a short exchange.
+A stop token is part of the output ids; stop strings cut the text (see `cut_at_stop_string`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+
+def end_of_turn_id(tokenizer: Any) -> Optional[int]:
+    """Tokenizer -> id of the special token right after an assistant message in its chat template, or None."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "dominospec-end-of-turn-probe"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # templates may refuse odd conversations; then there is no marker to find
+        return None
+    at = text.rfind(marker)
+    if at < 0:
+        return None
+    tail = tokenizer(text[at + len(marker) :], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    first = next((t for t in tail if not tokenizer.decode([t]).isspace()), None)
+    return first if first in special else None
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """Tokenizer + HF model -> the token ids that end a generation."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        ids.update(int(t) for t in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
+    turn = end_of_turn_id(tokenizer)
+    if turn is not None:
+        ids.add(int(turn))
+    return frozenset(ids)
+
+
+def first_stop_token(tokens: Iterable[int], stop_ids: frozenset[int]) -> Optional[int]:
+    """Token ids -> index of the first stop token, or None."""
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+
+
+def cut_at_stop_string(text: str, stop_strings: tuple[str, ...], search_from: int = 0) -> Optional[int]:
+    """Decoded text -> index where the earliest stop string starts (at or after `search_from`), or None."""
+    hits = [i for s in stop_strings if (i := text.find(s, search_from)) >= 0]
+    return min(hits) if hits else None

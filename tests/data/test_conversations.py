@@ -1,0 +1,135 @@
+"""Normalising records: roles, empties, one-sided conversations, malformed records by reason, dedup, splits."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import Counter
+
+import pytest
+from data_helpers import sample_records
+
+from dominospec.data.conversations import ROLES, assign_split, normalize_record, normalize_records
+
+
+def _by_id(conversations):
+    return {c["id"]: c for c in conversations}
+
+
+def test_real_sample_keeps_two_sided_conversations_and_names_every_drop():
+    conversations, skipped, dropped = normalize_records(sample_records())
+    assert [c["id"] for c in conversations] == [
+        "i6IyJda_0",
+        "J410gdS_0",
+        "WJidmXp_0",
+        "X1NXUxZ_0",
+        "lheleG7_0",
+        "95NWF4s_0",
+        "52n0vlZ_0",
+        "8fC32jy_43",
+        "yV4WPEy_0",
+        "JPSehOX_0",
+        "RnwpeOH_0",
+    ]
+    # QOL3GJy_0: system only; AJqZA01_1: a lone gpt turn; iondy9s_0: empty human + gpt.
+    # RnwpeOH_0 appears twice: first with no messages, then complete (which is kept).
+    assert skipped == Counter({"one_sided": 3, "empty_conversation": 1})
+    assert dropped == Counter({"leading_assistant": 1})  # 8fC32jy_43 opens with a gpt turn
+
+    by_id = _by_id(conversations)
+    assert [m["role"] for m in by_id["95NWF4s_0"]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in by_id["yV4WPEy_0"]["messages"]] == ["system", "user", "assistant"]  # chatgpt
+    assert [m["role"] for m in by_id["52n0vlZ_0"]["messages"]] == ["system", "user", "assistant"]  # bing
+    assert [m["role"] for m in by_id["JPSehOX_0"]["messages"]] == ["user", "assistant"]  # user + gpt
+    assert by_id["8fC32jy_43"]["messages"][0]["role"] == "user"
+    for c in conversations:
+        assert c["messages"][-1]["role"] == "assistant"
+        assert all(m["content"] == m["content"].strip() and m["content"] for m in c["messages"])
+
+
+VALID = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ("a string", "not_an_object"),
+        (["a", "list"], "not_an_object"),
+        ({"id": "x"}, "missing_messages"),
+        ({"conversations": "hi"}, "wrong_type"),
+        ({"conversations": ["hi", "there"]}, "wrong_type"),
+        ({"conversations": [{"from": "human"}, VALID[1]]}, "missing_fields"),
+        ({"conversations": [{"speaker": "human", "text": "hi"}, VALID[1]]}, "missing_fields"),
+        ({"conversations": [{"from": "human", "value": 3}, VALID[1]]}, "wrong_type"),
+        ({"conversations": [{"from": None, "value": "hi"}, VALID[1]]}, "wrong_type"),
+        ({"conversations": [{"from": "narrator", "value": "hi"}, VALID[1]]}, "unknown_role"),
+        ({"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]}, "unknown_role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "wrong_type"),
+        ({"id": ["x"], "conversations": VALID}, "wrong_type"),
+        ({"conversations": []}, "empty_conversation"),
+        ({"conversations": [{"from": "human", "value": "  \n"}]}, "empty_conversation"),
+        ({"conversations": [{"from": "human", "value": "hi"}]}, "one_sided"),
+        ({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "?"}]}, "one_sided"),
+    ],
+)
+def test_malformed_record_is_skipped_under_its_reason(record, reason):
+    conversations, skipped, _ = normalize_records([record, {"id": "good", "conversations": VALID}])
+    assert [c["id"] for c in conversations] == ["good"]
+    assert skipped == Counter({reason: 1})
+
+
+def test_roles_map_onto_system_user_assistant():
+    assert len(ROLES) == 9
+    for raw_role, role in ROLES.items():
+        messages = [{"role": "user", "content": "q"}, {"from": raw_role.upper(), "value": "x"}, {"from": "gpt", "value": "a"}]
+        conversation, _ = normalize_record({"conversations": messages})
+        assert [m["role"] for m in conversation["messages"]] == ["user", role, "assistant"], raw_role
+
+
+def test_openai_text_parts_are_joined_and_whitespace_stripped():
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": " a"}, {"type": "text", "text": "b "}]},
+                           {"role": "assistant", "content": "\n c \n"}]}  # fmt: skip
+    conversation, _ = normalize_record(record)
+    assert [m["content"] for m in conversation["messages"]] == ["ab", "c"]
+
+
+def test_duplicates_by_id_keep_the_first_and_are_counted():
+    first, second = sample_records()[0], copy.deepcopy(sample_records()[0])
+    second["conversations"][1]["value"] = "another answer"
+    conversations, skipped, _ = normalize_records([first, second, sample_records()[1]])
+    assert [c["id"] for c in conversations] == ["i6IyJda_0", "J410gdS_0"]
+    assert conversations[0]["messages"][1]["content"] == first["conversations"][1]["value"].strip()
+    assert skipped == Counter({"duplicate_id": 1})
+
+
+def test_records_without_id_get_a_content_hash_so_exact_copies_dedup():
+    a = {"conversations": sample_records()[0]["conversations"]}
+    b = {"conversations": sample_records()[1]["conversations"]}
+    conversations, skipped, _ = normalize_records([a, b, copy.deepcopy(a), {"id": "", **b}])
+    assert len(conversations) == 2
+    assert all(c["id"].startswith("sha256-") and len(c["id"]) == len("sha256-") + 16 for c in conversations)
+    assert conversations[0]["id"] != conversations[1]["id"]
+    assert skipped == Counter({"duplicate_id": 2})
+
+
+def test_integer_ids_are_kept_as_strings():
+    conversation, _ = normalize_record({"id": 7, "conversations": VALID})
+    assert conversation["id"] == "7"
+
+
+def test_split_is_the_documented_hash_and_deterministic():
+    ids = [f"conv-{i}" for i in range(20000)]
+    splits = [assign_split(i, 3, 0.1, 0.2) for i in ids]
+    assert splits == [assign_split(i, 3, 0.1, 0.2) for i in ids]
+    for conversation_id, split in zip(ids[:200], splits):
+        u = int(hashlib.sha256(f"3:{conversation_id}".encode()).hexdigest()[:16], 16) / 2**64
+        assert split == ("test" if u < 0.2 else "val" if u < 0.3 else "train")
+    counts = Counter(splits)
+    # binomial standard deviations: val sqrt(20000*.1*.9) = 42, test sqrt(20000*.2*.8) = 57
+    assert abs(counts["val"] - 2000) < 4 * 42 and abs(counts["test"] - 4000) < 4 * 57
+    other_seed = [assign_split(i, 4, 0.1, 0.2) for i in ids]
+    assert sum(a != b for a, b in zip(splits, other_seed)) > 5000  # the seed reshuffles
+
+
+def test_zero_fractions_put_everything_in_train():
+    assert {assign_split(f"c{i}", 0, 0.0, 0.0) for i in range(1000)} == {"train"}

@@ -1,0 +1,155 @@
+"""The prepare stage end to end on real ShareGPT records, through a params file, with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from data_helpers import REPO, SHAREGPT_SAMPLE, sample_records, write_params
+
+from dominospec.cli import UserError
+from dominospec.config import load_params
+from dominospec.data.conversations import assign_split
+from dominospec.data.dataset import FEATURES, read_dataset
+from dominospec.data.prepare import choose_mask_token, prepare
+from dominospec.data.target_meta import identity_without_weights
+from dominospec.target import load_target
+
+KEPT = ["i6IyJda_0", "J410gdS_0", "WJidmXp_0", "X1NXUxZ_0", "lheleG7_0", "95NWF4s_0", "52n0vlZ_0", "8fC32jy_43",
+        "yV4WPEy_0", "JPSehOX_0", "RnwpeOH_0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The fixture file prepared with the default target and generous splits: (params, splits, meta, metrics)."""
+    root = tmp_path_factory.mktemp("prepared")
+    prepare_section = {"source": str(SHAREGPT_SAMPLE), "val_fraction": 0.25, "test_fraction": 0.25, "split_seed": 1}
+    params = load_params(write_params(root / "params.yaml", root, prepare=prepare_section))
+    prepare(params)
+    splits, meta = read_dataset(params.paths.prepared)
+    metrics = json.loads((root / "metrics" / "prepare.json").read_text())
+    return params, splits, meta, metrics
+
+
+def test_prepare_writes_every_usable_conversation_once_in_its_split(prepared, smollm2_tokenizer):
+    params, splits, meta, metrics = prepared
+    rows = {split: list(data) for split, data in splits.items()}
+    ids = [r["id"] for split in rows.values() for r in split]
+    assert sorted(ids) == sorted(KEPT)
+    for split, split_rows in rows.items():
+        for row in split_rows:
+            assert assign_split(row["id"], 1, 0.25, 0.25) == split
+            reference = smollm2_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
+            assert row["input_ids"] == list(reference)[: params.prepare.max_length]
+            assert row["num_tokens"] == len(row["input_ids"]) == len(row["loss_mask"])
+            assert set(row["loss_mask"]) == {0, 1}
+    assert all(len(rows[s]) > 0 for s in ("train", "val", "test"))  # seed 1 fills every split of this sample
+    for split in splits.values():
+        assert split.features == FEATURES
+
+
+def test_prepare_meta_records_target_mask_token_and_format(prepared):
+    params, _, meta, _ = prepared
+    assert set(meta) == {"format_version", "target", "mask_token_id", "max_length", "source"}
+    assert meta["format_version"] == 1 and meta["max_length"] == params.prepare.max_length
+    assert meta["source"] == str(SHAREGPT_SAMPLE)
+    target = meta["target"]
+    assert (target["name"], target["num_layers"], target["hidden_size"], target["vocab_size"]) == (
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 30, 576, 49152)  # fmt: skip
+    assert len(target["sha256"]) == 64
+    assert meta["mask_token_id"] == 16  # <empty_output>: the first candidate, absent from this sample
+
+
+def test_prepare_metrics_account_for_every_record(prepared):
+    _, splits, _, metrics = prepared
+    assert metrics["conversations_read"] == len(sample_records()) == 15
+    assert metrics["conversations_kept"] == len(KEPT)
+    assert metrics["skipped"] == {"empty_conversation": 1, "one_sided": 3}
+    assert metrics["conversations_kept"] + sum(metrics["skipped"].values()) == metrics["conversations_read"]
+    assert metrics["splits"] == {s: len(d) for s, d in splits.items()}
+    assert metrics["tokens"] == sum(sum(d["num_tokens"]) for d in splits.values())
+    assert metrics["assistant_tokens"] == sum(int(np.sum(m)) for d in splits.values() for m in d["loss_mask"])
+    assert metrics["truncated_conversations"] == 0  # every sample conversation fits in 1024 tokens
+    assert metrics["mask_token_id"] == 16 and metrics["seconds"] > 0
+
+
+def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_path):
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(SHAREGPT_SAMPLE), "max_length": 64}))
+    prepare(params)
+    splits, _ = read_dataset(params.paths.prepared)
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    lengths = [n for d in splits.values() for n in d["num_tokens"]]
+    assert max(lengths) <= 64 and metrics["truncated_conversations"] == sum(n == 64 for n in lengths) > 0
+    # Prompts longer than 64 tokens leave nothing to supervise: skipped by name, not kept empty.
+    assert metrics["skipped"]["no_assistant_tokens"] > 0
+    assert all(sum(m) > 0 for d in splits.values() for m in d["loss_mask"])
+    assert metrics["conversations_kept"] == len(KEPT) - metrics["skipped"]["no_assistant_tokens"]
+
+
+def test_mask_token_skips_candidates_that_occur_in_the_data(tmp_path):
+    record = {"id": "uses-mask", "conversations": [{"from": "human", "value": "what does <empty_output> mean?"},
+                                                   {"from": "gpt", "value": "An empty cell output."}]}  # fmt: skip
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*sample_records(), record]))
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)}))
+    prepare(params)
+    _, meta = read_dataset(params.paths.prepared)
+    assert meta["mask_token_id"] == 15  # <jupyter_script>: 16 occurs in "uses-mask"
+
+    configured = load_params(write_params(tmp_path / "q.yaml", tmp_path, prepare={"source": str(source)},
+                                          target={"mask_token_id": 16}))  # fmt: skip
+    with pytest.raises(UserError, match=r"target.mask_token_id 16 \('<empty_output>'\) occurs in the data"):
+        prepare(configured)
+
+
+def test_choose_mask_token_takes_the_first_unused_candidate(smollm2_tokenizer):
+    assert choose_mask_token([16, 15, 14], [[16], [], [16]], None, smollm2_tokenizer) == 15
+    assert choose_mask_token([16, 15, 14], [[]], None, smollm2_tokenizer) == 16
+    with pytest.raises(UserError, match="every candidate"):
+        choose_mask_token([16, 15], [[15], [16]], None, smollm2_tokenizer)
+
+
+def test_a_failing_run_leaves_the_previous_output_intact(prepared, tmp_path):
+    params, splits, meta, _ = prepared
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    broken = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(bad)}))
+    broken = dataclasses.replace(broken, paths=params.paths)  # the same output directory
+    with pytest.raises(UserError, match="not JSON"):
+        prepare(broken)
+    again, meta_again = read_dataset(params.paths.prepared)
+    assert meta_again == meta and {s: list(d["id"]) for s, d in again.items()} == {s: list(d["id"]) for s, d in splits.items()}
+
+
+def test_bad_fractions_are_a_user_error(tmp_path):
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"val_fraction": 0.6, "test_fraction": 0.4}))
+    with pytest.raises(UserError, match="val_fraction \\+ prepare.test_fraction"):
+        prepare(params)
+
+
+def test_pipeline_script_reports_bad_input_in_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n{broken\n')
+    params_file = write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(bad)})
+    done = subprocess.run([sys.executable, "pipeline/prepare.py", "--params", str(params_file)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {bad}: not JSON: line 2 column 2: Expecting property name enclosed in double quotes"
+    )
+    assert not (tmp_path / "data" / "prepared").exists()
+
+
+def test_identity_without_weights_matches_load_target_for_an_hf_directory(tiny_target_dir, tmp_path):
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, target={"model": str(tiny_target_dir), "gguf_file": None}))
+    assert identity_without_weights(params.target) == load_target(params.target).identity
+
+
+@pytest.mark.slow
+def test_identity_without_weights_matches_load_target_for_the_gguf_default():
+    params = load_params(REPO / "params.yaml")
+    assert identity_without_weights(params.target) == load_target(params.target).identity

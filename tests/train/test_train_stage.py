@@ -1,0 +1,161 @@
+"""The train stage end to end on a tiny target: outputs, MLflow run, resume, crash recovery, DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "cache"))
+from cache_helpers import save_regenerated, save_tiny_target, target_params, write_params  # noqa: E402
+
+from dominospec.config import load_params  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A tiny Llama target, random conversations, and their hidden-state cache -> run root."""
+    from dominospec.cache.stage import cache
+    from dominospec.target import load_target
+
+    root = tmp_path_factory.mktemp("train")
+    target_dir = save_tiny_target(root / "target", "llama")
+    identity = load_target(target_params(target_dir)).identity.as_dict()
+    save_regenerated(root / "regenerated", identity, {"train": 48, "val": 12, "test": 2}, max_len=40)
+    params_path = write_params(root / "params.yaml", target_dir, root, shard_tokens=512, num_feature_layers=3)
+    cache(load_params(params_path))
+    return root
+
+
+def run_params(tiny_cache: Path, run: Path, **train) -> Path:
+    """A params file training on `tiny_cache` with outputs under `run` and `train` overrides."""
+    raw = yaml.safe_load((tiny_cache / "params.yaml").read_text())
+    for key in ("checkpoints", "draft", "onnx", "metrics", "plots"):
+        raw["paths"][key] = str(run / key)
+    raw["draft"].update(block_size=4, gru_hidden_dim=16, emb_dim=8)
+    raw["train"].update(
+        dict(max_steps=6, batch_size=4, num_anchors=4, val_every_steps=3, checkpoint_every_steps=2,
+             log_every_steps=1, val_max_sequences=8, precision="32-true", accelerator="cpu"),
+        **train,
+    )
+    raw["mlflow"].update(tracking_uri=f"sqlite:///{run}/mlflow.db", artifact_location=str(run / "mlartifacts"))
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def curve(run: Path) -> dict[int, float]:
+    with open(run / "plots" / "train_curve.csv") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+
+def test_train_writes_checkpoints_metrics_plots_and_mlflow_run(tiny_cache, tmp_path):
+    from dominospec.train.stage import train
+
+    params = load_params(run_params(tiny_cache, tmp_path))
+    train(params)
+    metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 6
+    assert 1.0 <= metrics["val_acceptance_length"] <= 5.0
+    assert len(metrics["val_accuracy_by_position"]) == 4 == len(metrics["val_accuracy_by_position_base"])
+    assert sorted(curve(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "plots" / "val_accuracy_by_position.csv").is_file()
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=params.mlflow.tracking_uri)
+    run_id = json.loads((tmp_path / "checkpoints" / "run.json").read_text())["mlflow_run_id"]
+    run = client.get_run(run_id)
+    for key in ("train/loss_base", "train/loss_final", "train/lambda", "train/lr", "val/acceptance_length",
+                "val/acceptance_length_base", "val/accuracy_pos1"):
+        assert key in run.data.metrics, key
+    assert run.data.params["draft.block_size"] == "4"
+    assert run.data.tags["dvc_stage"] == "train" and run.data.tags["git_commit"]
+    lambdas = [m.value for m in client.get_metric_history(run_id, "train/lambda")]
+    assert lambdas[0] == 1.0 and lambdas == sorted(lambdas, reverse=True) and lambdas[-1] < 0.2
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"train.json", "train_curve.png", "train_curve.csv"} <= artifacts
+
+
+def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):
+    from dominospec.train.stage import train
+
+    full = tmp_path / "full"
+    train(load_params(run_params(tiny_cache, full)))
+    reference = curve(full)
+
+    # A run that stopped right after its step-2 checkpoint: last.ckpt is that checkpoint.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints", resumed / "checkpoints")
+    shutil.rmtree(resumed / "checkpoints" / "final")
+    for later in ("step-000004.ckpt", "step-000006.ckpt"):
+        (resumed / "checkpoints" / later).unlink()
+    shutil.copy(resumed / "checkpoints" / "step-000002.ckpt", resumed / "checkpoints" / "last.ckpt")
+    shutil.copy(full / "mlflow.db", resumed / "mlflow.db")
+    train(load_params(run_params(tiny_cache, resumed)))
+    again = curve(resumed)
+    assert sorted(again) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert again[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
+def test_changed_params_start_afresh(tiny_cache, tmp_path):
+    from dominospec.train.stage import train
+
+    train(load_params(run_params(tiny_cache, tmp_path, max_steps=2)))
+    first = json.loads((tmp_path / "checkpoints" / "run.json").read_text())
+    train(load_params(run_params(tiny_cache, tmp_path, max_steps=2, lr=1e-3)))
+    second = json.loads((tmp_path / "checkpoints" / "run.json").read_text())
+    assert first["fingerprint"] != second["fingerprint"]
+    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+    assert sorted(curve(tmp_path)) == [1, 2]
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_when_rerun(tiny_cache, tmp_path):
+    params = run_params(tiny_cache, tmp_path, max_steps=400, checkpoint_every_steps=5, val_every_steps=400)
+    cmd = [sys.executable, str(REPO / "pipeline" / "train.py"), "--params", str(params)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (ckpts / "step-000010.ckpt").exists():
+        assert proc.poll() is None, "training ended before it could be killed"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (ckpts / "final").exists()
+    run_id = json.loads((ckpts / "run.json").read_text())["mlflow_run_id"]
+
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in done.stdout + done.stderr
+    assert json.loads((ckpts / "run.json").read_text())["mlflow_run_id"] == run_id
+    assert json.loads((tmp_path / "metrics" / "train.json").read_text())["steps"] == 400
+    steps = sorted(curve(tmp_path))
+    assert steps[0] == 1 and steps[-1] == 400
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes(tiny_cache, tmp_path):
+    params = run_params(tiny_cache, tmp_path, max_steps=4, strategy="ddp", devices=2, val_every_steps=4)
+    cmd = [sys.executable, str(REPO / "pipeline" / "train.py"), "--params", str(params)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world_size: 2" in (done.stdout + done.stderr).replace("WORLD_SIZE", "world_size").lower() or \
+        "distributed_backend=gloo" in done.stdout + done.stderr
+    metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 4
+    assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
