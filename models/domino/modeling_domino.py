@@ -257,6 +257,19 @@ class DFlashDraftModel(DominoPreTrainedModel):
         """Concatenated target layer outputs [B, S, n*H] -> target_hidden [B, S, H]."""
         return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
 
+    def _context_kv(self, target_features: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context rows [B, S, n*H] at positions start..start+S-1 -> per layer (k, v) [B, kvh, S, D]."""
+        target_hidden = self.project_context(target_features)  # [B, S, H]
+        positions = torch.arange(start, start + target_hidden.shape[1], device=target_hidden.device)[None]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, target_hidden.dtype)
+        return [layer.self_attn.project_kv(target_hidden, cos, sin) for layer in self.layers]
+
+    def extend_context(self, target_features: torch.Tensor, cache: DraftContextCache) -> None:
+        """Newly committed rows [B, S_new, n*H] -> appended to `cache` at positions C..C+S_new-1.
+        K/V only (fc, hidden_norm, k/v projections, k_norm, RoPE): no queries, no block."""
+        for i, (k, v) in enumerate(self._context_kv(target_features, cache.length)):
+            cache.append(i, k, v)
+
     def forward(
         self,
         block_embeds: torch.Tensor,
@@ -271,33 +284,25 @@ class DFlashDraftModel(DominoPreTrainedModel):
         0..S-1, and `attention_mask` ([B or 1, 1, Q, S+Q] bool or a BlockMask) says which context
         rows and block slots each query sees.
         Inference (cache given): `target_features` are the newly committed rows (or None); they
-        are projected once, appended at positions C..C+S_new-1, and the block attends to the whole
+        are appended to the cache first (`extend_context`), then the block attends to the whole
         cache and to itself (`attention_mask` None = everything visible).
         """
-        B, Q, _ = block_embeds.shape
-        block_embeds = block_embeds.to(self.fc.weight.dtype)
-        dtype = block_embeds.dtype
+        h = block_embeds.to(self.fc.weight.dtype)
         if block_positions.dim() == 1:
             block_positions = block_positions[None]
-        start = 0 if cache is None else cache.length
-        if target_features is not None:
-            target_hidden = self.project_context(target_features)  # [B, S, H]
-            S = target_hidden.shape[1]
-            ctx_pos = torch.arange(start, start + S, device=block_embeds.device)[None]
-            ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, dtype)
-        elif cache is None or cache.length == 0:
-            raise ValueError("the draft needs target context: pass target_features or a filled cache")
-        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, dtype)
-
-        h = block_embeds
-        for i, layer in enumerate(self.layers):
+        if cache is not None:
             if target_features is not None:
-                ctx_k, ctx_v = layer.self_attn.project_kv(target_hidden, ctx_cos, ctx_sin)  # [B, kvh, S, D]
-                if cache is not None:
-                    cache.append(i, ctx_k, ctx_v)
-            if cache is not None:
-                ctx_k, ctx_v = cache.keys[i], cache.values[i]  # [B, kvh, C, D]
-            h = layer(h, ctx_k, ctx_v, cos, sin, attention_mask)
+                self.extend_context(target_features, cache)
+            context = list(zip(cache.keys, cache.values))  # per layer [B, kvh, C, D]
+        elif target_features is not None:
+            context = self._context_kv(target_features, 0)
+        else:
+            raise ValueError("the draft needs target context: pass target_features or a cache")
+        if context[0][0] is None:
+            raise ValueError("the draft context cache is empty: pass target_features")
+        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for layer, (context_k, context_v) in zip(self.layers, context):
+            h = layer(h, context_k, context_v, cos, sin, attention_mask)
         return self.norm(h)
 
     # ---- Domino head ---------------------------------------------------------------------------

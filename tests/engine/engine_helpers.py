@@ -1,0 +1,77 @@
+"""Tiny targets and drafts for the engine tests, built from configs on CPU (no hub, no files)."""
+
+from __future__ import annotations
+
+import torch
+
+from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
+from dominospec.target import Target, TargetIdentity
+
+EOS = 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}t3 {{ m['content'] }} {% if m['role'] == 'assistant' %}t2 {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}t4 {% endif %}"
+)
+
+
+def tiny_tokenizer(vocab: int):
+    """Whitespace word-level tokenizer over tokens t0..t{vocab-1}; t1 BOS, t2 EOS, a toy chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t2")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_target(arch: str = "llama", vocab: int = 96, dtype=torch.float32, seed: int = 0, layers: int = 4,
+                scale: float = 0.2, max_positions: int = 512) -> Target:
+    """Random tiny causal LM (`llama` tied embeddings | `qwen3` untied) wrapped as a Target."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
+    if arch == "llama":
+        config = LlamaConfig(tie_word_embeddings=True, **common)
+    else:
+        config = Qwen3Config(head_dim=8, tie_word_embeddings=False, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():  # larger than the default init: peaked, varied next-token distributions
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, scale)
+    model.eval().requires_grad_(False)
+    identity = TargetIdentity(name=f"tiny-{arch}-{seed}", revision=None, sha256=f"sha-{arch}-{seed}", dtype=str(dtype),
+                              num_layers=layers, hidden_size=32, vocab_size=vocab)
+    return Target(model=model, tokenizer=tiny_tokenizer(vocab), identity=identity, device=torch.device("cpu"))
+
+
+def tiny_draft(target: Target, block_size: int = 4, seed: int = 1, head: bool = True, scale: float = 0.3,
+               **overrides) -> DFlashDraftModel:
+    """Random draft fitted to `target` (its identity recorded), in the target's dtype."""
+    V = target.identity.vocab_size
+    kwargs = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rope_theta=10000.0, block_size=block_size,
+        num_target_layers=target.num_layers, emb_dim=8, use_domino_head=head, target=target.identity.as_dict(),
+        dflash_config=dict(mask_token_id=V - 1, target_layer_ids=[0, target.num_layers - 2], gru_hidden_dim=16, emb_dim=8),
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(DominoDraftConfig(**kwargs))
+    with torch.no_grad():  # a visible head correction, so domino and dflash drafts differ
+        for p in draft.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, scale)
+    return draft.to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
+
+
+def random_prompts(n: int, vocab: int, seed: int, min_len: int = 2, max_len: int = 12) -> list[list[int]]:
+    """n random prompts of token ids in 3..vocab-2 (no BOS/EOS/MASK)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]
