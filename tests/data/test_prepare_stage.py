@@ -19,16 +19,23 @@ from dominospec.data.prepare import choose_mask_token, prepare
 from dominospec.data.target_meta import identity_without_weights
 from dominospec.target import load_target
 
+# The sample's two-sided conversations; RnwpeOH_0 opens with a 2,500-token prompt, so at the default
+# max_length 1024 nothing of it is left to supervise.
 KEPT = ["i6IyJda_0", "J410gdS_0", "WJidmXp_0", "X1NXUxZ_0", "lheleG7_0", "95NWF4s_0", "52n0vlZ_0", "8fC32jy_43",
-        "yV4WPEy_0", "JPSehOX_0", "RnwpeOH_0"]  # fmt: skip
+        "yV4WPEy_0", "JPSehOX_0"]  # fmt: skip
+
+
+def _tiny(target_dir) -> dict:
+    """The target section for the tiny HF-directory target (same tokenizer as the default, instant identity)."""
+    return {"model": str(target_dir), "gguf_file": None}
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """The fixture file prepared with the default target and generous splits: (params, splits, meta, metrics)."""
+def prepared(tmp_path_factory, tiny_target_dir):
+    """The fixture file prepared with generous splits: (params, splits, meta, metrics)."""
     root = tmp_path_factory.mktemp("prepared")
     prepare_section = {"source": str(SHAREGPT_SAMPLE), "val_fraction": 0.25, "test_fraction": 0.25, "split_seed": 1}
-    params = load_params(write_params(root / "params.yaml", root, prepare=prepare_section))
+    params = load_params(write_params(root / "params.yaml", root, prepare=prepare_section, target=_tiny(tiny_target_dir)))
     prepare(params)
     splits, meta = read_dataset(params.paths.prepared)
     metrics = json.loads((root / "metrics" / "prepare.json").read_text())
@@ -57,10 +64,7 @@ def test_prepare_meta_records_target_mask_token_and_format(prepared):
     assert set(meta) == {"format_version", "target", "mask_token_id", "max_length", "source"}
     assert meta["format_version"] == 1 and meta["max_length"] == params.prepare.max_length
     assert meta["source"] == str(SHAREGPT_SAMPLE)
-    target = meta["target"]
-    assert (target["name"], target["num_layers"], target["hidden_size"], target["vocab_size"]) == (
-        "SmolLM2-135M-Instruct.Q4_1.gguf", 30, 576, 49152)  # fmt: skip
-    assert len(target["sha256"]) == 64
+    assert meta["target"] == load_target(params.target).identity.as_dict()
     assert meta["mask_token_id"] == 16  # <empty_output>: the first candidate, absent from this sample
 
 
@@ -68,17 +72,18 @@ def test_prepare_metrics_account_for_every_record(prepared):
     _, splits, _, metrics = prepared
     assert metrics["conversations_read"] == len(sample_records()) == 15
     assert metrics["conversations_kept"] == len(KEPT)
-    assert metrics["skipped"] == {"empty_conversation": 1, "one_sided": 3}
+    assert metrics["skipped"] == {"empty_conversation": 1, "no_assistant_tokens": 1, "one_sided": 3}
     assert metrics["conversations_kept"] + sum(metrics["skipped"].values()) == metrics["conversations_read"]
     assert metrics["splits"] == {s: len(d) for s, d in splits.items()}
     assert metrics["tokens"] == sum(sum(d["num_tokens"]) for d in splits.values())
     assert metrics["assistant_tokens"] == sum(int(np.sum(m)) for d in splits.values() for m in d["loss_mask"])
-    assert metrics["truncated_conversations"] == 0  # every sample conversation fits in 1024 tokens
+    assert metrics["truncated_conversations"] == 0  # every kept conversation fits in 1024 tokens
     assert metrics["mask_token_id"] == 16 and metrics["seconds"] > 0
 
 
-def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_path):
-    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(SHAREGPT_SAMPLE), "max_length": 64}))
+def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_path, tiny_target_dir):
+    prepare_section = {"source": str(SHAREGPT_SAMPLE), "max_length": 64}
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare=prepare_section, target=_tiny(tiny_target_dir)))
     prepare(params)
     splits, _ = read_dataset(params.paths.prepared)
     metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
@@ -87,21 +92,21 @@ def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_
     # Prompts longer than 64 tokens leave nothing to supervise: skipped by name, not kept empty.
     assert metrics["skipped"]["no_assistant_tokens"] > 0
     assert all(sum(m) > 0 for d in splits.values() for m in d["loss_mask"])
-    assert metrics["conversations_kept"] == len(KEPT) - metrics["skipped"]["no_assistant_tokens"]
+    assert metrics["conversations_kept"] == len(KEPT) + 1 - metrics["skipped"]["no_assistant_tokens"]
 
 
-def test_mask_token_skips_candidates_that_occur_in_the_data(tmp_path):
+def test_mask_token_skips_candidates_that_occur_in_the_data(tmp_path, tiny_target_dir):
     record = {"id": "uses-mask", "conversations": [{"from": "human", "value": "what does <empty_output> mean?"},
                                                    {"from": "gpt", "value": "An empty cell output."}]}  # fmt: skip
     source = tmp_path / "data.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in [*sample_records(), record]))
-    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)}))
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)}, target=_tiny(tiny_target_dir)))
     prepare(params)
     _, meta = read_dataset(params.paths.prepared)
     assert meta["mask_token_id"] == 15  # <jupyter_script>: 16 occurs in "uses-mask"
 
     configured = load_params(write_params(tmp_path / "q.yaml", tmp_path, prepare={"source": str(source)},
-                                          target={"mask_token_id": 16}))  # fmt: skip
+                                          target={**_tiny(tiny_target_dir), "mask_token_id": 16}))  # fmt: skip
     with pytest.raises(UserError, match=r"target.mask_token_id 16 \('<empty_output>'\) occurs in the data"):
         prepare(configured)
 
@@ -150,6 +155,19 @@ def test_identity_without_weights_matches_load_target_for_an_hf_directory(tiny_t
 
 
 @pytest.mark.slow
-def test_identity_without_weights_matches_load_target_for_the_gguf_default():
-    params = load_params(REPO / "params.yaml")
-    assert identity_without_weights(params.target) == load_target(params.target).identity
+def test_prepare_for_the_gguf_default_records_the_identity_load_target_computes(tmp_path):
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(SHAREGPT_SAMPLE)}))
+    prepare(params)
+    _, meta = read_dataset(params.paths.prepared)
+    identity = load_target(params.target).identity
+    assert meta["target"] == identity.as_dict()
+    assert (identity.name, identity.num_layers, identity.hidden_size, identity.vocab_size) == (
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 30, 576, 49152)  # fmt: skip
+
+
+def test_a_source_without_any_usable_conversation_is_a_user_error(tmp_path):
+    source = tmp_path / "one_sided.jsonl"
+    source.write_text('{"id": "a", "conversations": [{"from": "human", "value": "anyone?"}]}\n["not a record"]\n')
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)}))
+    with pytest.raises(UserError, match=r"no usable conversation \(skipped: \{'one_sided': 1, 'not_an_object': 1\}\)"):
+        prepare(params)

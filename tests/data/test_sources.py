@@ -135,3 +135,22 @@ def test_parse_records_tells_arrays_from_lines():
     assert (records, truncated) == ([{"a": 1}, {"a": 2}], False)
     records, truncated = parse_records('[{"a": 1}, {"a": tr', "mem")
     assert (records, truncated) == ([{"a": 1}], True)
+
+
+def test_hub_source_goes_through_datasets_load_dataset(tmp_path):
+    """`hub:<id>` is read with datasets.load_dataset(id, split=hub_split); a local dataset folder needs no network."""
+    folder = tmp_path / "chat_dataset"
+    folder.mkdir()
+    real = sample_records()[:4]
+    (folder / "train.jsonl").write_text("".join(json.dumps(_as_openai(r)) + "\n" for r in real))
+    raw = read_source(f"hub:{folder}", hub_split="train")
+    assert raw.source == f"hub:{folder}" and not raw.skipped
+    from_hub, _, _ = normalize_records(raw.records)
+    from_file, _, _ = normalize_records(real)
+    assert from_hub == from_file and len(from_hub) == 4
+
+
+@pytest.mark.parametrize("source, message", [("hub:", "needs a dataset id"), ("hub:{tmp}/absent", "cannot load hub dataset")])
+def test_unusable_hub_source_is_a_user_error(tmp_path, source, message):
+    with pytest.raises(UserError, match=message):
+        read_source(source.format(tmp=tmp_path), hub_split="train")

@@ -252,7 +252,7 @@ def test_cached_inference_equals_training_mode():
     cache = DraftContextCache(LAYERS)
     with torch.no_grad():
         # Round 1: the prompt arrives in two pieces (prefill, then one committed row).
-        model(embed(ids[:1]), torch.arange(4, 4 + BK), target_features=feats[:, :4], cache=cache)
+        model.extend_context(feats[:, :4], cache)
         z1 = model(embed(ids[:1]), torch.arange(6, 6 + BK), target_features=feats[:, 4:6], cache=cache)
         assert cache.length == 6
         # Round 2: rows 6..12 committed, plus a rejected row that is cropped away again.

@@ -60,7 +60,9 @@ def write_dataset(out_dir: str | Path, splits: DatasetDict, meta: dict[str, Any]
         raise ValueError(f"meta.json needs {list(META_KEYS)} with format_version {FORMAT_VERSION}; got {meta}")
     out_dir = Path(out_dir)
     tmp = temp_sibling(out_dir)
-    DatasetDict({name: splits[name] for name in SPLITS}).save_to_disk(str(tmp))
+    # An empty split needs one explicit (empty) shard: with zero shards it cannot be loaded back.
+    num_shards = {name: 1 for name in SPLITS if len(splits[name]) == 0}
+    DatasetDict({name: splits[name] for name in SPLITS}).save_to_disk(str(tmp), num_shards=num_shards)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     replace_path(tmp, out_dir)
 

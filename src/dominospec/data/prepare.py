@@ -49,6 +49,8 @@ def prepare(params: Params) -> None:
     raw = read_source(cfg.source, cfg.hub_split)  # first: bad input fails before anything slow
     conversations, skipped, dropped = normalize_records(raw.records)
     skipped.update(raw.skipped)
+    if not conversations:
+        raise UserError(f"prepare.source {cfg.source}: no usable conversation (skipped: {dict(skipped)})")
     for c in conversations:
         c["split"] = assign_split(c["id"], cfg.split_seed, cfg.val_fraction, cfg.test_fraction)
 

@@ -25,3 +25,10 @@ def crop_kv(cache: Any, length: int) -> None:
         cache.crop(length - current)  # negative: rows to drop (version-proof)
     if kv_length(cache) != length:
         raise RuntimeError(f"KV cache crop to {length} rows left {kv_length(cache)}: cache type not croppable")
+
+
+def cache_argument(model: Any) -> str:
+    """Name of the KV-cache keyword of `model.forward`: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from dominospec.cli import UserError
-from dominospec.engine.kv import crop_kv, kv_length
+from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stops import cut_at_stop_string, first_stop_token, stop_token_ids
@@ -109,6 +110,7 @@ class SpecEngine:
         self.max_positions = int(self.model.config.max_position_embeddings)
         self.stop_ids = stop_token_ids(target.tokenizer, self.model)
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+        self.cache_arg = cache_argument(self.model)
         self.draft, self.num_draft, self.block_size = None, 0, 1
         if mode == "ar":
             return
@@ -129,9 +131,6 @@ class SpecEngine:
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():
             self.mask_embeds = self.embed_tokens(mask)  # [B-1, H], the block's MASK slots
-        H = self.embed_tokens.weight.shape[1]
-        self.no_block = torch.zeros(1, 0, H, dtype=self.dtype, device=self.device)  # context-only forward
-        self.no_positions = torch.zeros(1, 0, dtype=torch.long, device=self.device)
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -167,12 +166,10 @@ class SpecEngine:
         spec = self.mode != "ar"
         stats = GenerationStats(self.mode, T, self.num_draft)
 
-        from transformers import DynamicCache
-
         t_begin = self._now()
         kv = DynamicCache()
         context = DraftContextCache(len(self.draft.layers)) if spec else None
-        out = self.model(input_ids=prompt[None], past_key_values=kv, use_cache=True, output_hidden_states=spec, logits_to_keep=1)
+        out = self.model(input_ids=prompt[None], **{self.cache_arg: kv}, use_cache=True, output_hidden_states=spec, logits_to_keep=1)
         first = int(sampling.sample(out.logits[0, -1:], generator)[0])
         if spec:
             self._append_context(context, out.hidden_states, T)
@@ -231,7 +228,7 @@ class SpecEngine:
         t2 = self._now()
 
         verify_ids = torch.cat([x_start, draft_tokens])[None]  # [1, K+1]
-        out = self.model(input_ids=verify_ids, past_key_values=kv, use_cache=True, output_hidden_states=True, logits_to_keep=K + 1)
+        out = self.model(input_ids=verify_ids, **{self.cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=K + 1)
         logits = out.logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
         if sampling.greedy:
             n, nxt = accept_greedy(draft_tokens, logits)
@@ -279,7 +276,7 @@ class SpecEngine:
         """One target forward on the last token -> (1, finish reason)."""
         t0 = self._now()
         x = torch.tensor([[tokens[-1]]], device=self.device)
-        out = self.model(input_ids=x, past_key_values=kv, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=x, **{self.cache_arg: kv}, use_cache=True, logits_to_keep=1)
         nxt = int(sampling.sample(out.logits[0, -1:], generator)[0])
         m, reason = self._admit(tokens, [nxt], budget)
         tokens += [nxt][:m]
@@ -303,7 +300,7 @@ class SpecEngine:
     def _append_context(self, context: DraftContextCache, hidden_states, rows: int) -> None:
         """The first `rows` positions of a target forward's hidden states -> draft context rows."""
         features = torch.cat([hidden_states[l + 1][:, :rows] for l in self.layer_ids], dim=-1)  # [1, rows, n*H]
-        self.draft(self.no_block, self.no_positions, target_features=features, cache=context)
+        self.draft.extend_context(features, context)
 
     def _trim_to_stop_string(self, tokens: list[int], round_start: int, stops: tuple[str, ...]) -> list[int]:
         """Shortest prefix of `tokens` (at least `round_start + 1` long) whose text holds a stop string."""

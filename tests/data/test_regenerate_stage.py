@@ -1,0 +1,149 @@
+"""The regenerate stage with a tiny random target on SmolLM2's tokenizer: disabled copy, rewriting, kill + resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from data_helpers import REPO, sample_records, write_params
+
+from dominospec.cli import UserError
+from dominospec.config import load_params
+from dominospec.data.dataset import read_dataset
+from dominospec.data.prepare import prepare
+from dominospec.data.regenerate import regenerate, work_dir
+
+REGENERATE = {"enabled": True, "max_conversations": 6, "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95,
+              "batch_size": 1, "seed": 3}  # fmt: skip
+
+
+def _rows(split) -> list[dict]:
+    return [dict(r) for r in split]
+
+
+@pytest.fixture(scope="module")
+def prepared_params(tmp_path_factory, tiny_target_dir):
+    """Real ShareGPT records, each also as two variants with a suffixed id, prepared for the tiny target."""
+    root = tmp_path_factory.mktemp("regenerate")
+    records = [{**r, "id": f"{r['id']}{suffix}"} for suffix in ("", "-v1", "-v2") for r in sample_records()]
+    source = root / "variants_of_real_records.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    params_file = write_params(
+        root / "params.yaml",
+        root,
+        target={"model": str(tiny_target_dir), "gguf_file": None},
+        prepare={"source": str(source), "max_length": 96, "val_fraction": 0.2, "test_fraction": 0.2},
+        regenerate=REGENERATE,
+    )
+    params = load_params(params_file)
+    prepare(params)
+    return params, root
+
+
+@pytest.fixture(scope="module")
+def reference(prepared_params):
+    """One uninterrupted enabled run: (params, prepared splits, regenerated splits, meta, metrics)."""
+    params, root = prepared_params
+    regenerate(params)
+    prepared, _ = read_dataset(params.paths.prepared)
+    regenerated, meta = read_dataset(params.paths.regenerated)
+    metrics = json.loads((root / "metrics" / "regenerate.json").read_text())
+    return params, prepared, regenerated, meta, metrics
+
+
+def test_enabled_run_rewrites_train_replies_and_nothing_else(reference, smollm2_tokenizer):
+    params, prepared, regenerated, meta, metrics = reference
+    originals = {r["id"]: r for r in _rows(prepared["train"])}
+    train = _rows(regenerated["train"])
+    assert [r["id"] for r in train] == list(prepared["train"]["id"])[:6]  # the first max_conversations, in order
+    for row in train:
+        before, after = originals[row["id"]]["messages"], row["messages"]
+        others_before = [m for m in before if m["role"] != "assistant"]
+        others_after = [m for m in after if m["role"] != "assistant"]
+        assert others_after == others_before[: len(others_after)]  # user and system turns untouched
+        replies_before = [m["content"] for m in before if m["role"] == "assistant"]
+        replies_after = [m["content"] for m in after if m["role"] == "assistant"]
+        assert replies_after and all(a != b for a, b in zip(replies_after, replies_before))
+        assert after[-1]["role"] == "assistant"
+        # re-rendered and re-masked with prepare's code: the template's own tokens, cut to max_length
+        reference_ids = smollm2_tokenizer.apply_chat_template(after, tokenize=True, return_dict=False)
+        assert row["input_ids"] == list(reference_ids)[:96] and row["num_tokens"] == len(row["input_ids"])
+        assert sum(row["loss_mask"]) > 0
+    for split in ("val", "test"):
+        assert _rows(regenerated[split]) == _rows(prepared[split])
+    assert meta["regenerated"] == len(train) == metrics["conversations_regenerated"]
+    assert metrics["tokens_generated"] > 0 and metrics["assistant_turns_regenerated"] >= len(train)
+    assert not work_dir(params.paths.regenerated).exists()  # the journal is gone once the output is written
+
+
+@pytest.mark.slow  # a subprocess start-up plus a second generation pass
+def test_a_killed_run_resumes_to_the_same_result(reference, prepared_params):
+    params, _, regenerated, _, _ = reference
+    _, root = prepared_params
+    second = root / "second"
+    params_file = write_params(root / "second.yaml", second, target={"model": params.target.model, "gguf_file": None},
+                               regenerate=REGENERATE,
+                               paths={"prepared": params.paths.prepared})  # fmt: skip
+    journal = work_dir(second / "data" / "regenerated") / "journal.jsonl"
+    run = subprocess.Popen([sys.executable, "pipeline/regenerate.py", "--params", str(params_file)], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (journal.is_file() and journal.read_bytes().count(b"\n") >= 2):  # header + one finished chunk
+            assert run.poll() is None, "the run ended before it could be interrupted"
+            assert time.monotonic() < deadline, "no chunk finished in time"
+            time.sleep(0.02)
+        os.kill(run.pid, signal.SIGKILL)
+    finally:
+        run.wait()
+    assert run.returncode == -signal.SIGKILL
+    finished_chunks = journal.read_bytes().count(b"\n") - 1
+    assert 1 <= finished_chunks < 6
+    assert not (second / "data" / "regenerated").exists()
+
+    regenerate(load_params(params_file))
+    resumed, _ = read_dataset(second / "data" / "regenerated")
+    metrics = json.loads((second / "metrics" / "regenerate.json").read_text())
+    assert metrics["conversations_resumed"] == finished_chunks  # batch_size 1: one conversation per chunk
+    for split in ("train", "val", "test"):
+        assert _rows(resumed[split]) == _rows(regenerated[split])
+
+
+def test_disabled_run_copies_every_split_unchanged(prepared_params):
+    params, root = prepared_params
+    out = root / "copy"
+    disabled = load_params(write_params(root / "disabled.yaml", out, regenerate={"enabled": False},
+                                        paths={"prepared": params.paths.prepared}))  # fmt: skip
+    regenerate(disabled)
+    prepared, prepared_meta = read_dataset(params.paths.prepared)
+    copied, meta = read_dataset(disabled.paths.regenerated)
+    assert meta == {**prepared_meta, "regenerated": 0}
+    for split in ("train", "val", "test"):
+        assert _rows(copied[split]) == _rows(prepared[split])
+    assert json.loads((out / "metrics" / "regenerate.json").read_text())["enabled"] is False
+
+
+def test_data_prepared_for_another_target_is_refused(prepared_params, tmp_path):
+    params, _ = prepared_params
+    foreign = tmp_path / "prepared"
+    shutil.copytree(params.paths.prepared, foreign)
+    meta = json.loads((foreign / "meta.json").read_text())
+    meta["target"]["sha256"] = "0" * 64
+    (foreign / "meta.json").write_text(json.dumps(meta))
+    other = load_params(write_params(tmp_path / "p.yaml", tmp_path, target={"model": params.target.model, "gguf_file": None},
+                                     regenerate=REGENERATE, paths={"prepared": str(foreign)}))  # fmt: skip
+    with pytest.raises(UserError, match="re-run the prepare stage"):
+        regenerate(other)
+    assert not os.path.exists(other.paths.regenerated)
+
+
+def test_missing_prepared_data_is_a_user_error(tmp_path):
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path))
+    with pytest.raises(UserError, match="run the prepare stage first"):
+        regenerate(params)

@@ -1,0 +1,155 @@
+"""Speculative sampling is lossless: its tokens follow the target's own (warped) distribution.
+
+A tiny 8-token target, a fixed prompt, thousands of seeded generations of 4 tokens. The first
+token comes from the prefill; the next ones from the first verify round (2 drafts + bonus), so
+acceptance, the residual draw and the bonus draw all shape x2 and x3. The exact distribution of
+(x1, x2, x3) is computed from the target's probabilities; chi-square tests compare the observed
+x2 and (x2, x3) frequencies with it. The same tests must reject deliberately broken rules.
+Run: python -m pytest tests/engine/test_lossless_sampling.py -q
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from engine_helpers import tiny_draft, tiny_target
+from scipy.stats import chi2
+
+import dominospec.engine.spec as spec_module
+from dominospec.engine import Sampling, SpecEngine
+
+VOCAB, PROMPT = 8, [3, 5, 4, 6]
+SAMPLES, BROKEN_SAMPLES = 2000, 1000  # broken rules miss by p < 1e-30 at 1500 samples
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama", vocab=VOCAB, dtype=torch.float64, scale=0.25, layers=2, seed=4)
+    draft = tiny_draft(target, block_size=4, seed=5, scale=0.2)
+    return target, draft
+
+
+def exact_joint(target, sampling: Sampling) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [V, V, V] from the target's warped next-token distributions."""
+    V = VOCAB
+    with torch.inference_mode():
+        pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # [V*V, 2] = (x1, x2)
+        ids = torch.cat([torch.tensor(PROMPT).expand(V * V, -1), pairs], dim=1)  # [V*V, T+2]
+        logits = target.model(input_ids=ids).logits  # [V*V, T+2, V]
+        p1 = sampling.probs(logits[0, len(PROMPT) - 1][None])[0]  # [V]
+        p2 = sampling.probs(logits[::V, len(PROMPT)])  # [V] rows x1 -> p(x2 | x1)
+        p3 = sampling.probs(logits[:, len(PROMPT) + 1]).view(V, V, V)  # p(x3 | x1, x2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p(observed: Counter, expected: torch.Tensor, n: int) -> float:
+    """Pearson chi-square p-value; cells expecting < 5 samples are pooled into one."""
+    expected = expected.flatten() * n
+    obs = torch.zeros_like(expected)
+    for cell, count in observed.items():
+        obs[cell] = count
+    small = expected < 5
+    e = torch.cat([expected[~small], expected[small].sum()[None]])
+    o = torch.cat([obs[~small], obs[small].sum()[None]])
+    keep = e > 0
+    assert torch.all(o[~keep] == 0), "a sample fell on a zero-probability cell"
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def sample_x2_x3(engine: SpecEngine, sampling: Sampling, n: int) -> tuple[Counter, Counter, int]:
+    """n seeded generations -> (x2 counts, (x2, x3) counts, rounds that accepted a draft)."""
+    x2, pairs, accepted = Counter(), Counter(), 0
+    engine.stop_ids = frozenset()  # the exact joint has no stop token: every sample runs 4 tokens
+    for seed in range(n):
+        out = engine.generate(PROMPT, 4, sampling, seed=seed)
+        assert len(out.token_ids) == 4
+        a, b = out.token_ids[1], out.token_ids[2]
+        x2[a] += 1
+        pairs[a * VOCAB + b] += 1
+        accepted += out.stats.position_accepted[0] > 0
+    return x2, pairs, accepted
+
+
+def marginals(joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = joint.sum(0)  # [V, V] over (x2, x3)
+    return pair.sum(1), pair
+
+
+SAMPLINGS = [
+    ("domino", Sampling(temperature=1.0)),
+    ("dflash", Sampling(temperature=1.2, top_k=5, top_p=0.9)),
+]
+
+
+@pytest.mark.parametrize("mode, sampling", SAMPLINGS)
+def test_spec_sampling_matches_target_distribution(setup, mode, sampling):
+    target, draft = setup
+    x2_exact, pair_exact = marginals(exact_joint(target, sampling))
+    x2, pairs, accepted = sample_x2_x3(SpecEngine(target, draft, mode), sampling, SAMPLES)
+    assert SAMPLES * 0.1 < accepted < SAMPLES * 0.9, f"acceptance {accepted}/{SAMPLES}: drafts too good or too bad"
+    assert chi_square_p(x2, x2_exact, SAMPLES) > 1e-3
+    assert chi_square_p(pairs, pair_exact, SAMPLES) > 1e-3
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    K = draft_tokens.shape[0]
+    return K, int(torch.multinomial(target_probs[K][None], 1, generator=generator)[0, 0])
+
+
+def resample_from_p(draft_tokens, draft_probs, target_probs, generator):
+    """Right acceptance test, wrong rejection draw: from p instead of the residual max(0, p - q)."""
+    K = draft_tokens.shape[0]
+    if K == 0:
+        return 0, int(torch.multinomial(target_probs[0][None], 1, generator=generator)[0, 0])
+    rows = torch.arange(K)
+    ratio = target_probs[rows, draft_tokens] / draft_probs[rows, draft_tokens]
+    u = torch.rand(K, generator=generator, dtype=ratio.dtype)
+    n = int((u < ratio).long().cumprod(0).sum())
+    return n, int(torch.multinomial(target_probs[n][None], 1, generator=generator)[0, 0])
+
+
+@pytest.mark.parametrize("broken", [always_accept, resample_from_p])
+def test_broken_acceptance_rules_fail_the_same_test(setup, monkeypatch, broken):
+    target, draft = setup
+    sampling = Sampling(temperature=1.0)
+    x2_exact, pair_exact = marginals(exact_joint(target, sampling))
+    monkeypatch.setattr(spec_module, "accept_sampled", broken)
+    x2, pairs, _ = sample_x2_x3(SpecEngine(target, draft, "domino"), sampling, BROKEN_SAMPLES)
+    n = BROKEN_SAMPLES
+    assert min(chi_square_p(x2, x2_exact, n), chi_square_p(pairs, pair_exact, n)) < 1e-6
+
+
+def test_sampling_warp_matches_transformers_warpers():
+    """Temperature, top-k, top-p as HF generation applies them (same kept set, same probabilities)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)]:
+        ours = Sampling(temperature, top_p, top_k).probs(logits)
+        scores = TemperatureLogitsWarper(temperature)(None, logits.float())
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        theirs = scores.softmax(-1)
+        assert torch.equal(ours > 0, theirs > 0), (temperature, top_k, top_p)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_sampling_settings_are_named():
+    for kwargs, word in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")]:
+        with pytest.raises(ValueError, match=word):
+            Sampling(**kwargs)
