@@ -48,7 +48,7 @@ class DominoDraftConfig(PretrainedConfig):
         sliding_window: Optional[int] = None,
         max_window_layers: Optional[int] = None,
         layer_types: Optional[list[str]] = None,
-        block_size: int = 16,
+        block_size: Optional[int] = None,
         num_target_layers: int = 36,
         emb_dim: Optional[int] = None,
         dflash_config: Optional[dict[str, Any]] = None,
@@ -66,6 +66,12 @@ class DominoDraftConfig(PretrainedConfig):
             rope_theta = rope_parameters.get("rope_theta", rope_theta)
 
         dflash = dict(dflash_config or {})
+        # Some checkpoints keep block_size inside dflash_config; SGLang reads the top-level one.
+        nested_block_size = dflash.pop("block_size", None)
+        if block_size is None:
+            block_size = nested_block_size if nested_block_size is not None else 16
+        elif nested_block_size is not None and nested_block_size != block_size:
+            raise ValueError(f"block_size {block_size} differs from dflash_config.block_size {nested_block_size}")
         dflash.setdefault("mask_token_id", None)
         dflash.setdefault("target_layer_ids", [1, 9, 17, 25, 33])
         dflash.setdefault("projector_type", PROJECTOR_TYPE)

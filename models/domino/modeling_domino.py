@@ -215,6 +215,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class DominoPreTrainedModel(PreTrainedModel):
+    """HF plumbing shared by the draft: config class, no name prefix, weight initialisation."""
+
     config_class = DominoDraftConfig
     base_model_prefix = ""
     _no_split_modules = ["DominoDecoderLayer"]

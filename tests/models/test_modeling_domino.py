@@ -133,6 +133,9 @@ def test_config_reads_other_spellings_and_rejects_inconsistency():
                                          gru_hidden_dim=G, emb_dim=R))
     assert (cfg.rope_theta, cfg.emb_dim, cfg.dflash_config["projector_type"]) == (5e5, R, "domino")
     assert cfg.num_feature_layers == 1 and cfg.pure_draft_prefix_len == 1
+    nested = tiny_config(block_size=None, dflash_config=dict(mask_token_id=MASK, target_layer_ids=[1], block_size=8,
+                                                             gru_hidden_dim=G, emb_dim=R))
+    assert nested.block_size == 8 and "block_size" not in nested.dflash_config
     with pytest.raises(ValueError, match="emb_dim"):
         tiny_config(emb_dim=R + 1)
     with pytest.raises(ValueError, match="shift_label"):

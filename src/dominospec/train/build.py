@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from dominospec.cli import UserError
 from dominospec.config import DraftParams, Params
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
@@ -97,7 +99,9 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     from dominospec.train.datamodule import DraftDataModule
     from dominospec.train.module import DraftLitModule
 
-    target = load_target(params.target)
+    # On CPU: Lightning moves the module's frozen buffers to each rank's device, and the online
+    # target follows the module (loading it straight to "cuda" would put every rank on GPU 0).
+    target = load_target(params.target, device=torch.device("cpu"))
     layer_ids, mask_token_id, fingerprint = _feature_source(params, target)
     config = draft_config(params.draft, target, layer_ids, mask_token_id)
     draft = DFlashDraftModel(config)
