@@ -20,6 +20,8 @@ STAGES: dict[str, str] = {
     "regenerate": "dominospec.data.regenerate:regenerate",
     "cache": "dominospec.cache.stage:cache",
     "train": "dominospec.train.stage:train",
+    "export": "dominospec.export.stage:export",
+    "evaluate": "dominospec.eval.stage:evaluate",
 }
 
 
@@ -65,9 +67,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in STAGES:
         p = sub.add_parser(name, help=f"run the `{name}` stage")
         p.add_argument("--params", default="params.yaml")
+    sub.choices["evaluate"].add_argument("--prompts", help="JSONL of {prompt} / {messages}: evaluate only this suite")
+    sub.choices["evaluate"].add_argument("--out", help="write the report here (plots next to it) instead of metrics/")
+    gen = sub.add_parser("generate", help="answer one prompt; print the answer, τ and tokens/s")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--mode", default="domino", choices=["ar", "dflash", "domino"])
+    gen.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    if args.command == "evaluate":
+        evaluate = _resolve(STAGES["evaluate"])
+        return _run(lambda: evaluate(load_params(args.params), prompts=args.prompts, out=args.out))
     if args.command in STAGES:
         return _run(lambda: run_stage(args.command, args.params))
+    if args.command == "generate":
+        generate = _resolve("dominospec.eval.generate:generate")
+        return _run(lambda: generate(load_params(args.params), args.prompt, args.mode))
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -36,7 +36,8 @@ class Paths:
     cache: str
     checkpoints: str
     draft: str
-    onnx: str
+    onnx: str  # the draft's block forward (fp32 ONNX)
+    onnx_rollout: str  # one Domino rollout step (fp32 ONNX)
     metrics: str
     plots: str
 
@@ -138,6 +139,29 @@ class TrainParams:
 
 
 @dataclass(frozen=True)
+class ExportParams:
+    """Checkpoint -> the HF draft SGLang serves (bf16) and the ONNX graphs (fp32)."""
+
+    onnx_opset: int  # >= 17
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    """AR vs head-off vs Domino decoding on prompt suites: speed, acceptance, exact match."""
+
+    suites: list[str]  # "sharegpt" (test split) | "humaneval" | path to a .jsonl of {"prompt"} / {"messages"}
+    max_prompts: int  # per suite, in file order
+    max_prompt_tokens: int  # rendered prompts longer than this are skipped (and counted)
+    max_new_tokens: int
+    temperature: float  # 0 = greedy: spec output must then equal AR output
+    top_p: float  # 1 = off
+    top_k: int  # 0 = off
+    seed: int  # sampling seed of prompt i is seed + i, the same for every mode
+    stop_strings: list[str]
+    num_threads: Optional[int]  # torch CPU threads; null = torch's default
+
+
+@dataclass(frozen=True)
 class MlflowParams:
     """The one MLflow store every stage logs to."""
 
@@ -157,6 +181,8 @@ class Params:
     cache: CacheParams
     draft: DraftParams
     train: TrainParams
+    export: ExportParams
+    evaluate: EvaluateParams
     mlflow: MlflowParams
     source: Path = field(default=Path("params.yaml"), compare=False)
 

@@ -84,7 +84,7 @@ def test_missing_or_foreign_directories_are_named(target, tmp_path):
 
 def test_draft_dir_prefers_the_export(tmp_path):
     paths = Paths(prepared="p", regenerated="r", cache="c", checkpoints=str(tmp_path / "ckpt"),
-                  draft=str(tmp_path / "draft"), onnx="o", metrics="m", plots="pl")
+                  draft=str(tmp_path / "draft"), onnx="o", onnx_rollout="or", metrics="m", plots="pl")
     assert draft_dir(paths) == tmp_path / "ckpt" / "final"
     (tmp_path / "draft").mkdir()
     (tmp_path / "draft" / "config.json").write_text("{}")

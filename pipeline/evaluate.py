@@ -1,0 +1,8 @@
+"""DVC stage `evaluate`: see dominospec.cli.STAGES['evaluate'] and DESIGN.md §3."""
+
+import sys
+
+from dominospec.cli import stage_main
+
+if __name__ == "__main__":
+    sys.exit(stage_main("evaluate"))

@@ -1,0 +1,33 @@
+"""`dominospec generate`: one chat prompt through the engine; prints the answer, then τ and tokens/s."""
+
+from __future__ import annotations
+
+import torch
+
+from dominospec.config import Params
+from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
+from dominospec.eval.prompts import render
+from dominospec.eval.stage import sampling_from
+
+
+def generate(params: Params, prompt: str, mode: str) -> Generation:
+    """Params + user message + mode (ar | dflash | domino) -> Generation (answer and stats printed).
+
+    Sampling, max_new_tokens, stop strings, seed and threads come from `params.evaluate`.
+    """
+    from dominospec.target import load_target
+
+    cfg = params.evaluate
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    sampling = sampling_from(cfg)
+    target = load_target(params.target)
+    draft = None if mode == "ar" else load_draft(draft_dir(params.paths), target)
+    engine = SpecEngine(target, draft, mode)
+    ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
+    out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
+    s = out.stats
+    print(out.text)
+    print(f"\n[{mode}, B={engine.block_size}, T={cfg.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s: "
+          f"τ {s.acceptance_length:.2f} over {s.rounds} verify rounds, {s.tokens_per_s:.1f} tokens/s ({out.finish_reason})")
+    return out

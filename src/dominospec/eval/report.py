@@ -1,0 +1,126 @@
+"""Per-suite metrics from the generations of every prompt in every mode.
+
+All rates are pooled over the suite (DESIGN §6): τ = Σ round tokens ÷ Σ verify rounds (bonus
+included, the prefill's first token excluded), tokens/s = Σ new tokens ÷ Σ generation wall time
+(prefill included), speedup = spec tokens/s ÷ AR tokens/s. Exact match (greedy only) is the share
+of prompts whose spec token ids equal AR's; each divergence is recorded with the target's top-2
+logit margin at that point, so it can be checked against a near-tie.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from dominospec.engine import Generation, SpecEngine
+
+# Modes in the order they run for each prompt, and the metric-name suffix of each spec mode.
+NO_HEAD, HEAD = "dflash", "domino"
+
+
+def pooled(generations: list[Generation]) -> dict[str, float]:
+    """Generations of one mode -> pooled τ, tokens/s, new tokens and mean per-round costs (ms)."""
+    stats = [g.stats for g in generations]
+    rounds = sum(s.rounds for s in stats)
+    seconds = sum(s.total_s for s in stats)
+    new_tokens = sum(s.new_tokens for s in stats)
+    per_round = lambda attr: 1000 * sum(getattr(s, attr) for s in stats) / rounds if rounds else None  # noqa: E731
+    return {
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "acceptance_length": sum(s.round_tokens for s in stats) / rounds if rounds else None,
+        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
+        "prefill_ms": 1000 * sum(s.prefill_s for s in stats) / len(stats),
+        "draft_ms_per_round": per_round("draft_s"),
+        "rollout_ms_per_round": per_round("rollout_s"),
+        "verify_ms_per_round": per_round("verify_s"),
+    }
+
+
+def acceptance_by_position(generations: list[Generation]) -> list[Optional[float]]:
+    """-> share of rounds accepting >= k drafts, k = 1..K, among rounds that proposed a k-th draft."""
+    stats = [g.stats for g in generations]
+    K = stats[0].num_draft
+    accepted = [sum(s.position_accepted[k] for s in stats) for k in range(K)]
+    proposed = [sum(s.position_proposed[k] for s in stats) for k in range(K)]
+    return [a / p if p else None for a, p in zip(accepted, proposed)]
+
+
+def first_divergence(reference: list[int], other: list[int]) -> Optional[int]:
+    """Index of the first differing token (or where the shorter one ends), None when equal."""
+    if reference == other:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+
+
+@torch.inference_mode()
+def top2_margin(engine: SpecEngine, context: list[int]) -> float:
+    """Target's logit gap between its two best next tokens after `context` (one full forward)."""
+    ids = torch.tensor([context], device=engine.device)
+    logits = engine.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def suite_report(
+    runs: list[dict[str, Generation]],
+    prompts: list[list[int]],
+    spec_mode: str,
+    greedy: bool,
+    ar_engine: SpecEngine,
+    skipped_too_long: int,
+) -> dict[str, Any]:
+    """Per-prompt generations {mode: Generation} -> the suite's entry of eval.json."""
+    by_mode = {mode: [r[mode] for r in runs] for mode in runs[0]}
+    ar, spec, no_head = pooled(by_mode["ar"]), pooled(by_mode[spec_mode]), pooled(by_mode[NO_HEAD])
+    divergences = []
+    if greedy:
+        for i, (prompt, run) in enumerate(zip(prompts, runs)):
+            reference = run["ar"].token_ids
+            for mode in (m for m in run if m != "ar"):
+                at = first_divergence(reference, run[mode].token_ids)
+                if at is not None:
+                    divergences.append({
+                        "prompt": i, "mode": mode, "position": at,
+                        "ar_token": reference[at] if at < len(reference) else None,
+                        "spec_token": run[mode].token_ids[at] if at < len(run[mode].token_ids) else None,
+                        "top2_margin": top2_margin(ar_engine, prompt + reference[:at]),
+                    })
+
+    def exact(mode: str) -> Optional[float]:
+        if not greedy:
+            return None  # sampled outputs differ by design; losslessness is distributional
+        return sum(r[mode].token_ids == r["ar"].token_ids for r in runs) / len(runs)
+
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return a / b if a is not None and b else None
+
+    return {
+        "n_prompts": len(runs),
+        "skipped_too_long": skipped_too_long,
+        "new_tokens": spec["new_tokens"],
+        "ar_new_tokens": ar["new_tokens"],
+        "acceptance_length": spec["acceptance_length"],
+        "acceptance_length_no_head": no_head["acceptance_length"],
+        "verify_rounds": spec["rounds"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "spec_tokens_per_s": spec["tokens_per_s"],
+        "no_head_tokens_per_s": no_head["tokens_per_s"],
+        "speedup": ratio(spec["tokens_per_s"], ar["tokens_per_s"]),
+        "speedup_no_head": ratio(no_head["tokens_per_s"], ar["tokens_per_s"]),
+        "exact_match": exact(spec_mode),
+        "exact_match_no_head": exact(NO_HEAD),
+        "divergences": divergences,
+        "max_divergence_margin": max((d["top2_margin"] for d in divergences), default=None),
+        "acceptance_by_position": acceptance_by_position(by_mode[spec_mode]),
+        "acceptance_by_position_no_head": acceptance_by_position(by_mode[NO_HEAD]),
+        "cost_ms": {
+            "ar_step": ar["verify_ms_per_round"],
+            "draft": spec["draft_ms_per_round"],
+            "rollout": spec["rollout_ms_per_round"],
+            "verify": spec["verify_ms_per_round"],
+            "rollout_no_head": no_head["rollout_ms_per_round"],
+            "prefill": ar["prefill_ms"],
+        },
+    }

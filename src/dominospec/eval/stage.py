@@ -1,0 +1,164 @@
+"""The `evaluate` stage: AR vs head-off vs Domino decoding on prompt suites, in one run.
+
+For every prompt of every suite the three modes run back to back (AR, head off, Domino) with
+the same sampling seed, so machine drift hits all three alike. Outputs:
+
+  metrics/eval.json           per suite: τ (pooled) head on/off, tokens/s, speedup, exact match
+                              with AR (greedy), divergences with the target's top-2 margin,
+                              acceptance by position, per-round costs; plus the run's settings
+  plots/eval_acceptance/*.csv, plots/eval_tau.csv, plots/eval_*.png   (see eval.plots)
+  one MLflow run              params, metrics `<suite>/<key>`, the PNGs and eval.json, tagged
+                              with the training run id (`checkpoints/run.json: mlflow_run_id`)
+
+The draft comes from `engine.draft_dir`: the export dir when it holds a draft, else
+`checkpoints/final`. With `prompts` (a JSONL file) only that suite runs; with `out` the report
+goes there and its plots to `<out stem>_plots/` next to it, leaving the pipeline's outputs alone.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dominospec.cli import UserError
+from dominospec.config import EvaluateParams, Params
+from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
+from dominospec.eval.plots import write_plots
+from dominospec.eval.prompts import Suite, load_suite, suite_name
+from dominospec.eval.report import HEAD, NO_HEAD, suite_report
+
+TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
+
+
+def sampling_from(cfg: EvaluateParams) -> Sampling:
+    """evaluate params -> Sampling; a bad value raises UserError naming the key."""
+    try:
+        return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    except ValueError as err:
+        raise UserError(f"evaluate: {err}") from None
+
+
+def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] = None) -> dict[str, Any]:
+    """Params (+ optional prompts JSONL, output path) -> the eval.json document (also written)."""
+    from dominospec.data.dataset import write_json
+    from dominospec.target import load_target
+
+    cfg = params.evaluate
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    sampling = sampling_from(cfg)
+    specs = [prompts] if prompts else list(cfg.suites)
+    names = [suite_name(s) for s in specs]
+    if not specs or len(set(names)) != len(names):
+        raise UserError(f"evaluate.suites must name distinct suites, got {specs}")
+
+    target = load_target(params.target)
+    source = draft_dir(params.paths)
+    draft = load_draft(source, target)
+    spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
+    engines = {"ar": SpecEngine(target, None, "ar"), NO_HEAD: SpecEngine(target, draft, NO_HEAD)}
+    if spec_mode == HEAD:
+        engines[HEAD] = SpecEngine(target, draft, HEAD)
+    loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
+    suites = [s for s in loaded if s.prompts]
+    empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
+             for s in loaded if not s.prompts}
+    for name, why in empty.items():
+        print(f"warning: suite {name!r} skipped: {why}")
+    if not suites:
+        raise UserError(f"evaluate: every suite is empty: {empty}")
+
+    for engine in engines.values():  # first calls allocate and pick kernels: keep them out of the timings
+        engine.generate(suites[0].prompts[0], min(8, cfg.max_new_tokens), sampling, seed=cfg.seed)
+    report: dict[str, Any] = {
+        "suites": {s.name: run_suite(s, engines, spec_mode, sampling, cfg) for s in suites},
+        "empty_suites": empty,
+        "spec_mode": spec_mode,
+        "device": str(target.device),
+        "device_name": device_name(target.device),
+        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "block_size": int(draft.config.block_size),
+        "num_draft": engines[spec_mode].num_draft,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "max_new_tokens": cfg.max_new_tokens,
+        "num_threads": torch.get_num_threads(),
+        "draft_dir": str(source),
+        "target": target.identity.name,
+        "tau": TAU_DEFINITION,
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+    }
+    out_path = Path(out) if out else Path(params.paths.metrics) / "eval.json"
+    plots_dir = out_path.parent / f"{out_path.stem}_plots" if out else Path(params.paths.plots)
+    write_json(out_path, report)
+    pngs = write_plots(report, plots_dir)
+    log_run(params, report, [out_path, *pngs])
+    for name, suite in report["suites"].items():
+        print(f"{name}: τ {_fmt(suite['acceptance_length'])} (no head {_fmt(suite['acceptance_length_no_head'])}), "
+              f"AR {_fmt(suite['ar_tokens_per_s'])} tok/s, spec {_fmt(suite['spec_tokens_per_s'])} tok/s, "
+              f"speedup {_fmt(suite['speedup'])}, exact match {_fmt(suite['exact_match'])}")
+    return report
+
+
+def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,
+              cfg: EvaluateParams) -> dict[str, Any]:
+    """Every prompt through every mode, interleaved -> the suite's metrics."""
+    runs: list[dict[str, Generation]] = []
+    for i, ids in enumerate(suite.prompts):
+        runs.append({
+            mode: engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed + i)
+            for mode, engine in engines.items()
+        })
+        spec = runs[-1][spec_mode].stats
+        print(f"[{suite.name} {i + 1}/{len(suite.prompts)}] {spec.new_tokens} tokens, τ {_fmt(spec.acceptance_length)}, "
+              f"AR {_fmt(runs[-1]['ar'].stats.tokens_per_s)} vs spec {_fmt(spec.tokens_per_s)} tok/s", flush=True)
+    return suite_report(runs, suite.prompts, spec_mode, sampling.greedy, engines["ar"], suite.skipped_too_long)
+
+
+def training_run_id(params: Params) -> Optional[str]:
+    """MLflow run id the train stage recorded in checkpoints/run.json, if any."""
+    record = Path(params.paths.checkpoints) / "run.json"
+    if not record.is_file():
+        return None
+    return json.loads(record.read_text()).get("mlflow_run_id")
+
+
+def log_run(params: Params, report: dict[str, Any], artifacts: list[Path]) -> None:
+    """One MLflow run: params, `<suite>/<metric>` metrics, artifacts, tagged with the training run."""
+    import mlflow
+
+    from dominospec.tracking import ensure_experiment, flat_params, run_tags
+
+    experiment = ensure_experiment(params)
+    tags = {**run_tags("evaluate"), "training_run_id": training_run_id(params) or "", "draft_dir": report["draft_dir"]}
+    metrics = {}
+    for suite, entry in report["suites"].items():
+        flat = {**entry, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()}}
+        metrics.update({f"{suite}/{k}": float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    with mlflow.start_run(experiment_id=experiment, run_name="evaluate", tags=tags):
+        mlflow.log_params(flat_params(params))
+        mlflow.log_metrics(metrics)
+        for path in artifacts:
+            mlflow.log_artifact(str(path))
+
+
+def device_name(device: torch.device) -> str:
+    """Human-readable accelerator or CPU name, for the report."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

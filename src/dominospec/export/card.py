@@ -1,0 +1,162 @@
+"""The model card (README.md) of an exported draft: target, data, params, metrics, how to serve it.
+
+Metrics come from the stages' JSON files under `paths.metrics`: prepare.json and cache.json (data),
+train.json (validation acceptance). eval.json is written by the evaluate stage, which runs on the
+export, so it is shown only when it names these very weights (`draft_sha256`); otherwise the card
+says the draft awaits evaluation rather than show another draft's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from dominospec.config import Params, TargetParams
+from dominospec.export.contract import DOMINO, FORMAT_VERSION, profile
+from dominospec.target import resolve_source
+
+MAX_LIST = 32  # longer lists are summarised by their length
+
+
+def sglang_command(target_model_path: str, draft_path: str, block_size: int) -> str:
+    """-> the one-line SGLang launch for this draft (DESIGN.md §5)."""
+    return (
+        f"python -m sglang.launch_server --model-path {target_model_path} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {draft_path} --speculative-num-draft-tokens {block_size}"
+    )
+
+
+def target_model_path(target: TargetParams) -> str:
+    """Target params -> what SGLang's --model-path takes: the hub id, the local directory or the GGUF file."""
+    source, gguf_file, is_hub = resolve_source(target)
+    if is_hub:
+        return target.model
+    return str(Path(source) / gguf_file) if gguf_file else source
+
+
+def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) -> str:
+    """Params + exported config.json + weights hash (+ metrics files) -> README.md text."""
+    metrics = Path(params.paths.metrics)
+    target, dflash = exported["target"], exported["dflash_config"]
+    domino = profile(exported) == DOMINO
+    kind = "Domino (DFlash backbone + GRU logit correction)" if domino else "DFlash (block-parallel, no Domino head)"
+    block = exported["block_size"]
+    lines = [
+        "---",
+        f"base_model: {json.dumps(target['name'])}",
+        "tags: [speculative-decoding, dflash" + (", domino" if domino else "") + ", sglang]",
+        "---",
+        "",
+        f"# {kind} draft for `{target['name']}`",
+        "",
+        f"A speculative-decoding draft: it proposes {block - 1} tokens per target verification "
+        f"(block size {block}); the target's output is unchanged. Weights are bf16, without embedding "
+        f"or LM head (both are the target's). Export format {FORMAT_VERSION}, weights sha256 `{weights_sha256}`.",
+        "",
+        "## Target",
+        "",
+        *_table(target),
+        "",
+        "## Draft",
+        "",
+        *_table({
+            "block_size": block,
+            "draft layers": exported["num_hidden_layers"],
+            "hidden_size": exported["hidden_size"],
+            "target_layer_ids": dflash["target_layer_ids"],
+            "mask_token_id": dflash["mask_token_id"],
+            **({"gru_hidden_dim (G)": dflash["gru_hidden_dim"], "emb_dim (r)": dflash["emb_dim"]} if domino else {}),
+        }),
+        "",
+        "## Data",
+        "",
+        *_metrics_section(metrics / "prepare.json"),
+        *_metrics_section(metrics / "cache.json"),
+        "## Training parameters",
+        "",
+        "```yaml",
+        yaml.safe_dump({"draft": dataclasses.asdict(params.draft), "train": dataclasses.asdict(params.train)},
+                       sort_keys=False).rstrip(),
+        "```",
+        "",
+        "## Evaluation",
+        "",
+        *_metrics_section(metrics / "train.json"),
+        *_eval_section(metrics / "eval.json", weights_sha256),
+        "## Serving",
+        "",
+        "With SGLang (CUDA, bf16 weights, greedy drafting):",
+        "",
+        "```bash",
+        sglang_command(target_model_path(params.target), params.paths.draft, block),
+        "```",
+        "",
+    ]
+    if domino:
+        lines += ["Add `--speculative-domino-candidate-pool-size 0` to score the correction on the full vocabulary.", ""]
+    lines += [
+        "With the built-in server (any machine, CPU included; same API subset):",
+        "",
+        "```bash",
+        "make serve",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _eval_section(path: Path, weights_sha256: str) -> list[str]:
+    """eval.json -> its section when it was measured on these weights, else a one-line note."""
+    doc = _read_json(path)
+    if doc is None:
+        return ["Not evaluated yet: run the evaluate stage (`dvc repro`).", ""]
+    if doc.get("draft_sha256") != weights_sha256:
+        return [f"`{path.name}` was not measured on these weights: re-run the evaluate stage.", ""]
+    return _metrics_section(path)
+
+
+def _metrics_section(path: Path) -> list[str]:
+    """A metrics JSON file -> a titled table of its entries (nothing when the file is absent)."""
+    doc = _read_json(path)
+    if doc is None:
+        return []
+    return [f"From `{path.name}`:", "", *_table(_flatten(doc)), ""]
+
+
+def _read_json(path: Path) -> Optional[dict[str, Any]]:
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return doc if isinstance(doc, dict) else {"value": doc}
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b": value}."""
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _table(rows: dict[str, Any]) -> list[str]:
+    """{name: value} -> Markdown table lines."""
+    return ["| | |", "|---|---|", *(f"| {name} | {_format(value)} |" for name, value in rows.items())]
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            return f"[{len(value)} values]"
+        return "[" + ", ".join(_format(v) for v in value) + "]"
+    if value is None:
+        return "–"
+    return str(value).replace("|", "\\|")

@@ -1,0 +1,188 @@
+"""The `evaluate` stage and the `generate` / `evaluate` commands on a tiny setup.
+
+A random 4-layer Llama saved with save_pretrained (word-level tokenizer with a chat template), a
+random draft in checkpoints/final, a prepared dataset with a ShareGPT-style test split, and a
+private MLflow store. fp32 greedy: spec output must equal AR output on every prompt.
+Run: python -m pytest tests/eval -q
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from dominospec.cli import UserError, main
+from dominospec.config import load_params
+from dominospec.eval.prompts import humaneval_conversations, jsonl_conversations
+from dominospec.eval.stage import evaluate
+
+sys.path.insert(0, str(REPO / "tests" / "engine"))
+from engine_helpers import tiny_draft, tiny_tokenizer  # noqa: E402
+
+VOCAB = 64
+TRAIN_RUN_ID = "0123456789abcdef"
+
+
+def save_target(directory: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    tiny_tokenizer(VOCAB).save_pretrained(directory)
+    return directory
+
+
+def save_prepared(directory: Path, identity: dict) -> None:
+    from datasets import Dataset, DatasetDict
+
+    from dominospec.data.dataset import FEATURES, write_dataset
+
+    def split(n: int, offset: int) -> Dataset:
+        rows = [{"id": f"c{offset + i}", "input_ids": [5], "loss_mask": [0], "num_tokens": 1,
+                 "messages": [{"role": "system", "content": "t9"}, {"role": "user", "content": f"t{10 + i} t11 t12"},
+                              {"role": "assistant", "content": "t13"}, {"role": "user", "content": "t14"}]}
+                for i in range(n)]
+        return Dataset.from_list(rows, features=FEATURES)
+
+    meta = {"format_version": 1, "target": identity, "mask_token_id": VOCAB - 1, "max_length": 64, "source": "test"}
+    write_dataset(directory, DatasetDict({"train": split(2, 0), "val": split(1, 10), "test": split(3, 20)}), meta)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """-> (params path, root): tiny target, draft in checkpoints/final, prepared data, MLflow store."""
+    from dominospec.target import load_target
+
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = save_target(root / "target")
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for key in raw["paths"]:
+        raw["paths"][key] = str(root / key)
+    raw["target"].update(model=str(target_dir), gguf_file=None, device="cpu", dtype="float32")
+    raw["evaluate"].update(suites=["sharegpt"], max_prompts=4, max_new_tokens=12, num_threads=1)
+    raw["mlflow"].update(tracking_uri=f"sqlite:///{root}/mlflow.db", artifact_location=str(root / "mlartifacts"))
+    params_path = root / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw))
+
+    params = load_params(params_path)
+    target = load_target(params.target)
+    tiny_draft(target, block_size=4).save_pretrained(Path(params.paths.checkpoints) / "final")
+    (Path(params.paths.checkpoints) / "run.json").write_text(json.dumps({"mlflow_run_id": TRAIN_RUN_ID}))
+    save_prepared(Path(params.paths.prepared), target.identity.as_dict())
+    return params_path, root
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path):
+    params_path, root = setup
+    prompts = write_jsonl(tmp_path / "mine.jsonl", [
+        json.dumps({"prompt": "t5 t6 t7 t8"}),
+        "",
+        json.dumps({"messages": [{"role": "user", "content": "t20 t21"}, {"role": "assistant", "content": "t22"},
+                                 {"role": "user", "content": "t23 t24 t25"}]}),
+        json.dumps({"prompt": "t30 t31"}),
+    ])
+    params = load_params(params_path)
+    report = evaluate(params, prompts=str(prompts))
+    written = json.loads((Path(params.paths.metrics) / "eval.json").read_text())
+    assert written == json.loads(json.dumps(report))
+
+    assert set(report["suites"]) == {"mine"}
+    suite = report["suites"]["mine"]
+    required = {"n_prompts", "new_tokens", "acceptance_length", "acceptance_length_no_head", "ar_tokens_per_s",
+                "spec_tokens_per_s", "speedup", "exact_match"}
+    assert required <= set(suite)
+    assert suite["n_prompts"] == 3 and suite["skipped_too_long"] == 0
+    assert suite["exact_match"] == suite["exact_match_no_head"] == 1.0 and suite["divergences"] == []
+    assert suite["new_tokens"] == suite["ar_new_tokens"] <= 3 * 12
+    assert 1.0 <= suite["acceptance_length"] <= report["block_size"]
+    assert suite["speedup"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ar_tokens_per_s"]) and suite["speedup"] > 0
+    # τ is consistent with the counts: round tokens = new tokens - one prefill token per prompt.
+    assert suite["acceptance_length"] == pytest.approx((suite["new_tokens"] - 3) / suite["verify_rounds"])
+    assert len(suite["acceptance_by_position"]) == report["num_draft"] == report["block_size"] - 1 == 3
+    shares = [s for s in suite["acceptance_by_position"] if s is not None]
+    assert all(0 <= a <= 1 for a in shares) and shares == sorted(shares, reverse=True)
+    assert {k: report[k] for k in ("device", "dtype", "block_size", "temperature", "max_new_tokens")} == {
+        "device": "cpu", "dtype": "float32", "block_size": 4, "temperature": 0.0, "max_new_tokens": 12}
+    assert report["draft_dir"] == str(Path(params.paths.checkpoints) / "final")
+
+    plots = Path(params.paths.plots)
+    rows = (plots / "eval_acceptance" / "mine.csv").read_text().splitlines()
+    assert rows[0] == "position,domino,no_head" and len(rows) == 1 + 3
+    assert (plots / "eval_tau.csv").read_text().splitlines()[1].startswith("mine domino,")
+    assert (plots / "eval_acceptance.png").stat().st_size > 1000 and (plots / "eval_tau.png").stat().st_size > 1000
+
+    import mlflow
+
+    mlflow.set_tracking_uri(params.mlflow.tracking_uri)
+    runs = mlflow.search_runs(experiment_names=[params.mlflow.experiment], output_format="list")
+    run = next(r for r in runs if r.info.run_name == "evaluate")
+    assert run.data.tags["training_run_id"] == TRAIN_RUN_ID
+    assert run.data.metrics["mine/speedup"] == pytest.approx(suite["speedup"])
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
+
+
+def test_stage_runs_params_suites_and_out_keeps_pipeline_outputs_apart(setup, tmp_path):
+    params_path, _ = setup
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--params", str(params_path), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    sharegpt = report["suites"]["sharegpt"]
+    assert sharegpt["n_prompts"] == 3 and sharegpt["exact_match"] == 1.0
+    assert (tmp_path / "report_plots" / "eval_acceptance" / "sharegpt.csv").is_file()
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "mine.jsonl:2: not valid JSON"),
+        ('["a list"]', 'mine.jsonl:2: expected an object with exactly one of "prompt" or "messages"'),
+        ('{"prompt": "t5", "messages": []}', "exactly one of"),
+        ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+        ('{"messages": [{"role": "robot", "content": "t5"}]}', "messages[0] must be"),
+        ('{"messages": "t5"}', '"messages" must be a non-empty list'),
+    ],
+)
+def test_malformed_jsonl_lines_are_named(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "mine.jsonl", [json.dumps({"prompt": "t5"}), line])
+    with pytest.raises(UserError) as err:
+        list(jsonl_conversations(path))
+    assert message in str(err.value)
+
+
+def test_evaluate_command_reports_a_bad_prompts_file_without_traceback(setup, tmp_path, capsys):
+    params_path, _ = setup
+    bad = write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"prompt": "t5"}), "{oops"])
+    assert main(["evaluate", "--params", str(params_path), "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_generate_command_prints_answer_then_tau_and_speed(setup, capsys):
+    params_path, _ = setup
+    assert main(["generate", "--params", str(params_path), "--prompt", "t5 t6 t7"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("[domino, B=4, T=0.0]") and "τ " in lines[-1] and "tokens/s" in lines[-1]
+    assert lines[0].startswith("t")  # the decoded answer of the word-level tokenizer
+
+
+def test_humaneval_suite_reads_all_tasks_as_chat_requests():
+    tasks = list(humaneval_conversations())
+    assert len(tasks) == 164
+    assert all(len(t) == 1 and t[0]["role"] == "user" and "def " in t[0]["content"] for t in tasks)
