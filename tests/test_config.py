@@ -4,11 +4,14 @@ import dataclasses
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import yaml
 
-from conftest import REPO
 from dominospec.config import ParamsError, as_flat_dict, load_params
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_params(tmp_path, mutate):

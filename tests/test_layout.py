@@ -2,12 +2,14 @@
 
 import ast
 import re
+from pathlib import Path
 
 import yaml
 
-from conftest import REPO
 from dominospec.cli import STAGES
 from dominospec.config import Params, load_params
+
+REPO = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {
     # layer -> top-level modules it must never import

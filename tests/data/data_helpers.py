@@ -1,12 +1,19 @@
-"""Test helpers for the data stages: the real SmolLM2 tokenizer, a tiny random target using it, params files."""
+"""Test helpers for the data stages: the real SmolLM2 tokenizer, a tiny random target using it, params files.
+
+The fixtures live here, not in a conftest.py (several conftest.py files outside packages shadow each
+other as the module `conftest`); test modules import the ones they use. Their values are built once
+per session and cached.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,6 +25,7 @@ def sample_records() -> list[dict[str, Any]]:
     return json.loads(SHAREGPT_SAMPLE.read_text())
 
 
+@functools.lru_cache(maxsize=1)
 def load_smollm2_tokenizer():
     """The embedded default target's tokenizer, read from its GGUF (no model weights)."""
     from transformers import AutoTokenizer
@@ -67,3 +75,21 @@ def write_params(path: Path, root: Path, **sections: dict[str, Any]) -> Path:
         params[section] = {**copy.deepcopy(params[section]), **values}
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
+
+
+_TINY_TARGETS: dict[Path, Path] = {}  # session temp root -> saved tiny target
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (ChatML template, EOS = <|im_end|>), read from the packaged GGUF."""
+    return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A saved random 2-layer Llama with SmolLM2's vocabulary and tokenizer (an HF directory)."""
+    root = tmp_path_factory.getbasetemp()
+    if root not in _TINY_TARGETS:
+        _TINY_TARGETS[root] = save_tiny_target(tmp_path_factory.mktemp("tiny_target"), smollm2_tokenizer)
+    return _TINY_TARGETS[root]

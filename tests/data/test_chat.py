@@ -6,7 +6,7 @@ import copy
 
 import numpy as np
 import pytest
-from data_helpers import sample_records
+from data_helpers import sample_records, smollm2_tokenizer  # noqa: F401 (fixture)
 
 from dominospec.data.chat import TemplateError, render, render_batch, special_token_ids
 from dominospec.data.conversations import normalize_records

@@ -133,3 +133,11 @@ def test_split_is_the_documented_hash_and_deterministic():
 
 def test_zero_fractions_put_everything_in_train():
     assert {assign_split(f"c{i}", 0, 0.0, 0.0) for i in range(1000)} == {"train"}
+
+
+def test_parts_of_one_conversation_share_a_split():
+    for base in (f"conv{i}" for i in range(200)):
+        splits = {assign_split(f"{base}_{part}", 0, 0.3, 0.3) for part in range(4)}
+        assert splits == {assign_split(base, 0, 0.3, 0.3)}
+    # distinct conversations still spread over the splits
+    assert {assign_split(f"conv{i}_0", 0, 0.3, 0.3) for i in range(200)} == {"train", "val", "test"}

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from data_helpers import REPO, SHAREGPT_SAMPLE, sample_records, write_params
+from data_helpers import REPO, SHAREGPT_SAMPLE, sample_records, smollm2_tokenizer, tiny_target_dir, write_params  # noqa: F401
 
 from dominospec.cli import UserError
 from dominospec.config import load_params

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from data_helpers import REPO, sample_records, write_params
+from data_helpers import REPO, sample_records, smollm2_tokenizer, tiny_target_dir, write_params  # noqa: F401
 
 from dominospec.cli import UserError
 from dominospec.config import load_params
@@ -98,7 +98,7 @@ def test_a_killed_run_resumes_to_the_same_result(reference, prepared_params):
         while not (journal.is_file() and journal.read_bytes().count(b"\n") >= 2):  # header + one finished chunk
             assert run.poll() is None, "the run ended before it could be interrupted"
             assert time.monotonic() < deadline, "no chunk finished in time"
-            time.sleep(0.02)
+            time.sleep(0.005)
         os.kill(run.pid, signal.SIGKILL)
     finally:
         run.wait()

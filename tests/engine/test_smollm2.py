@@ -5,14 +5,17 @@ end-of-turn token stops generation, and the known answer comes out.
 Run: python -m pytest tests/engine/test_smollm2.py -q
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import REPO
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 from dominospec.target import default_layer_ids, load_target
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 

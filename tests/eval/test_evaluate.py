@@ -14,7 +14,6 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO
 from dominospec.cli import UserError, main
 from dominospec.config import load_params
 from dominospec.eval.prompts import humaneval_conversations, jsonl_conversations
@@ -22,6 +21,8 @@ from dominospec.eval.stage import evaluate
 
 sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import tiny_draft, tiny_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 VOCAB = 64
 TRAIN_RUN_ID = "0123456789abcdef"

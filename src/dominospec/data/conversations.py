@@ -16,6 +16,7 @@ counted separately (`dropped_messages`).
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 from collections import Counter
 from typing import Any, Iterable
@@ -93,9 +94,16 @@ def normalize_records(records: Iterable[Any]) -> tuple[list[dict[str, Any]], Cou
     return conversations, skipped, dropped
 
 
+# ShareGPT splits one long conversation into records "<id>_0", "<id>_1", ...: they share a split.
+_PART_SUFFIX = re.compile(r"_\d+$")
+
+
 def assign_split(conversation_id: str, split_seed: int, val_fraction: float, test_fraction: float) -> str:
-    """id -> "train" | "val" | "test", from sha256(f"{split_seed}:{id}") alone (stable across runs and sources)."""
-    digest = hashlib.sha256(f"{split_seed}:{conversation_id}".encode()).digest()
+    """id -> "train" | "val" | "test", from sha256(f"{split_seed}:{base id}") alone (stable across
+    runs and sources). The base id drops a trailing "_<n>" part number, so the parts of one
+    conversation never straddle train and test."""
+    base = _PART_SUFFIX.sub("", conversation_id)
+    digest = hashlib.sha256(f"{split_seed}:{base}".encode()).digest()
     u = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
     if u < test_fraction:
         return "test"

@@ -95,7 +95,7 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def temp_sibling(path: Path) -> Path:
-    """A fresh, empty-named temporary path next to `path` (a leftover from a killed run is removed)."""
+    """A temporary path next to `path`, cleared first (a leftover from a killed run is removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
     _remove(tmp)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ A draft trained on the target's own replies accepts more than one trained on som
     enabled:  the first `max_conversations` train conversations, in chunks of `batch_size`,
               --rewrite_conversations--> journal --render + mask (as prepare)--> paths.regenerated
               val and test are copied unchanged; train holds only the rewritten conversations.
+              Renderings stop at the max_length prepare used (meta.json).
 
 Resumable: each finished chunk is one journal line in `<paths.regenerated>.work/`; a killed run
 skips the chunks already there. A chunk's RNG is seeded from (seed, chunk index) and its batch
@@ -43,7 +44,7 @@ from dominospec.data.dataset import (
 )
 from dominospec.data.journal import Journal
 from dominospec.data.replies import rewrite_conversations
-from dominospec.target import load_target
+from dominospec.target import Target, load_target
 
 
 def regenerate(params: Params) -> None:
@@ -71,24 +72,11 @@ def regenerate(params: Params) -> None:
     chunks = [list(range(i, min(i + cfg.batch_size, count))) for i in range(0, count, cfg.batch_size)]
 
     journal = Journal(work_dir(params.paths.regenerated) / "journal.jsonl", _fingerprint(cfg, meta, train, count))
-    done = journal.load()
+    done = journal.load()  # chunk index -> journal entries, for the chunks a killed run finished
     resumed = sum(len(chunks[c]) for c in done if c < len(chunks))
     if done:
         print(f"regenerate: resuming, {resumed}/{count} conversations already rewritten", file=sys.stderr)
-    new_tokens, generation_seconds = 0, 0.0
-    with tqdm(total=count, initial=resumed, desc="regenerate", unit="conv") as bar:
-        for c, rows in enumerate(chunks):
-            if c in done:
-                continue
-            torch.manual_seed(_chunk_seed(cfg.seed, c))
-            tick = time.perf_counter()
-            rewritten = rewrite_conversations(target, [train[i]["messages"] for i in rows], cfg, max_length)
-            generation_seconds += time.perf_counter() - tick
-            entries = [{"id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
-            journal.append(c, entries)
-            done[c] = entries
-            new_tokens += sum(r.generated_tokens for r in rewritten)
-            bar.update(len(rows))
+    new_tokens, generation_seconds = _rewrite_chunks(target, train, chunks, cfg, max_length, journal, done)
 
     entries = [e for c in range(len(chunks)) for e in done[c]]
     new_train, skipped = _render(target.tokenizer, entries, max_length, int(meta["mask_token_id"]))
@@ -113,6 +101,29 @@ def regenerate(params: Params) -> None:
             "seconds": round(time.perf_counter() - started, 2),
         },
     )
+
+
+def _rewrite_chunks(
+    target: Target, train: Dataset, chunks: list[list[int]], cfg: RegenerateParams, max_length: int,
+    journal: Journal, done: dict[int, list[Any]],
+) -> tuple[int, float]:  # fmt: skip
+    """Rewrite every chunk not in `done`, journaling each; fills `done` -> (tokens generated, generation seconds)."""
+    new_tokens, generation_seconds = 0, 0.0
+    with tqdm(total=sum(map(len, chunks)), desc="regenerate", unit="conv") as bar:
+        bar.update(sum(len(chunks[c]) for c in done if c < len(chunks)))
+        for c, rows in enumerate(chunks):
+            if c in done:
+                continue
+            torch.manual_seed(_chunk_seed(cfg.seed, c))  # the same draws whichever chunks ran before
+            tick = time.perf_counter()
+            rewritten = rewrite_conversations(target, [train[i]["messages"] for i in rows], cfg, max_length)
+            generation_seconds += time.perf_counter() - tick
+            entries = [{"id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
+            journal.append(c, entries)
+            done[c] = entries
+            new_tokens += sum(r.generated_tokens for r in rewritten)
+            bar.update(len(rows))
+    return new_tokens, generation_seconds
 
 
 def work_dir(regenerated: str | Path) -> Path:

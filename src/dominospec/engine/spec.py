@@ -120,7 +120,8 @@ class SpecEngine:
         if mode == "domino" and not draft.config.use_domino_head:
             raise UserError("mode 'domino' needs a draft trained with the Domino head (config.use_domino_head is false)")
         weight = draft.fc.weight
-        if weight.dtype != self.dtype or weight.device != torch.device(self.device):
+        resolved = torch.empty(0, device=self.device).device  # "cuda" -> "cuda:0"
+        if weight.dtype != self.dtype or weight.device != resolved:
             raise UserError(f"draft is {weight.dtype} on {weight.device}, target {self.dtype} on {self.device}: cast it")
         self.draft = draft.eval()
         self.block_size = int(draft.config.block_size)

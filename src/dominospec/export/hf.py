@@ -24,7 +24,7 @@ from dominospec.models.domino import DominoDraftConfig
 
 def export_config(config: DominoDraftConfig) -> dict[str, Any]:
     """Checkpoint config -> exported config.json dict: Domino profile with the head on, plain DFlash without."""
-    out = config.to_dict()
+    out = config.to_diff_dict()  # what save_pretrained writes to config.json
     for key in ("auto_map", "_name_or_path", "transformers_version"):
         out.pop(key, None)
     theta = float(config.rope_theta)

@@ -1,0 +1,8 @@
+"""DVC stage `export`: see dominospec.cli.STAGES['export'] and DESIGN.md §3, §5."""
+
+import sys
+
+from dominospec.cli import stage_main
+
+if __name__ == "__main__":
+    sys.exit(stage_main("export"))
