@@ -118,3 +118,14 @@ def test_cache_file_names():
 def test_bytes_per_token():
     assert fmt.bytes_per_token(5 * 576, "bfloat16") == 5 * 576 * 2 + 5
     assert fmt.bytes_per_token(64, "float32") == 64 * 4 + 5
+
+
+@pytest.mark.parametrize("key", ["num_feature_layers", "batch_tokens", "shard_tokens", "max_val_conversations"])
+def test_unusable_cache_params_are_refused(key):
+    from dataclasses import replace
+
+    from dominospec.cache.stage import check_params
+
+    check_params(_cache_params(2))
+    with pytest.raises(UserError, match=f"cache.{key} must be >= 1"):
+        check_params(replace(_cache_params(2), **{key: 0}))

@@ -1,6 +1,6 @@
 """`dvc repro` of the real dvc.yaml on a tiny setup: every stage runs, in order, from a fresh tree.
 
-The tiny setup: a random 4-layer Llama (hidden 16) with the real SmolLM2 tokenizer and chat
+The tiny setup: a random 6-layer Llama (hidden 16) with the real SmolLM2 tokenizer and chat
 template, the committed ShareGPT sample as a user data file, and small cache/train settings.
 """
 
@@ -30,7 +30,7 @@ def save_tiny_smollm_like_target(directory: Path) -> Path:
     source, gguf, _ = resolve_source(load_params(REPO / "params.yaml").target)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )

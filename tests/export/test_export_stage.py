@@ -25,6 +25,8 @@ def test_outputs_and_model_card(exported, tiny_target_dir):
     assert sorted(p.name for p in draft.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert Path(exported.paths.onnx).is_file() and Path(exported.paths.onnx_rollout).is_file()
     assert not [p.name for p in draft.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    mode = lambda name: (draft / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")  # as readable as the rest
     card = (draft / "README.md").read_text()
     launch = (f"python -m sglang.launch_server --model-path {tiny_target_dir} --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens 4")

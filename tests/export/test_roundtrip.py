@@ -105,6 +105,10 @@ def test_head_off_draft_exports_as_plain_dflash_and_serves_in_the_engine(exporte
         names = set(f.keys())
     assert len(names) == 25 and not any(n.startswith(("prefix_gru", "embed_proj")) for n in names)
 
+    import onnx
+
+    step = onnx.load(exported_head_off.paths.onnx_rollout)  # same interface as the Domino step
+    assert [i.name for i in step.graph.input] == ["z", "state", "token_embed", "base_logits"]
     draft = load_draft(exported_head_off.paths.draft, tiny_target)
     reference = rounded_checkpoint(Path(exported_head_off.paths.checkpoints) / "final")
     backbone = {k: v for k, v in reference.state_dict().items() if not k.startswith(("prefix_gru", "embed_proj"))}

@@ -49,6 +49,16 @@ class Source:
     split_sizes: dict[str, int]  # split -> rows in the source split (before the cap)
 
 
+def check_params(params: CacheParams) -> None:
+    """Raise UserError for cache settings no run can use (checked before any work)."""
+    for key in ("num_feature_layers", "batch_tokens", "shard_tokens"):
+        if getattr(params, key) < 1:
+            raise UserError(f"cache.{key} must be >= 1, got {getattr(params, key)}")
+    for key in ("max_train_conversations", "max_val_conversations"):
+        if getattr(params, key) is not None and getattr(params, key) < 1:
+            raise UserError(f"cache.{key} must be >= 1 or null (all), got {getattr(params, key)}")
+
+
 def read_source(data_dir: Path, params: CacheParams) -> Source:
     """`paths.regenerated` -> Source, capped by max_{train,val}_conversations. UserError when unusable."""
     import pyarrow.compute as pc
@@ -77,6 +87,7 @@ def cache(params: Params) -> None:
     """Params -> `paths.cache` (shards + manifest.json) and `paths.metrics`/cache.json."""
     started = time.perf_counter()
     cp = params.cache
+    check_params(cp)
     source = read_source(Path(params.paths.regenerated), cp)
     device = pick_device(params.target.device)
     if device.type == "cpu":
@@ -90,26 +101,7 @@ def cache(params: Params) -> None:
     loaded = time.perf_counter()
     layer_ids = resolve_layer_ids(cp, target.num_layers)
     plans = {split: plan_shards(source.lengths[split], cp.shard_tokens) for split in fmt.SPLITS}
-    content = {
-        "layer_ids": layer_ids,
-        "dtype": cp.dtype,
-        "shard_tokens": cp.shard_tokens,
-        "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
-    }
-    planned = fmt.Manifest(
-        format_version=fmt.FORMAT_VERSION,
-        target=target.identity.as_dict(),
-        layer_ids=tuple(layer_ids),
-        hidden_size=target.hidden_size,
-        feature_dim=len(layer_ids) * target.hidden_size,
-        dtype=cp.dtype,
-        mask_token_id=source.meta["mask_token_id"],
-        fingerprint=fmt.data_fingerprint(source.meta_json, source.split_sizes, content),
-        splits={
-            split: fmt.SplitInfo(planned_sequences=len(source.lengths[split]), planned_tokens=sum(source.lengths[split]))
-            for split in fmt.SPLITS
-        },
-    )
+    planned = planned_manifest(source, target.identity.as_dict(), target.hidden_size, layer_ids, cp)
     root = Path(params.paths.cache)
     manifest = resume_point(root, planned)
     resumed = {split: len(manifest.splits[split].shards) for split in fmt.SPLITS}
@@ -141,6 +133,32 @@ def cache(params: Params) -> None:
     finished = time.perf_counter()
     times = {"started": started, "loaded": loaded, "computing": computing, "finished": finished}
     _write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, remaining, times)
+
+
+def planned_manifest(
+    source: Source, identity: dict[str, Any], hidden_size: int, layer_ids: list[int], params: CacheParams
+) -> fmt.Manifest:
+    """What this run's cache will be once complete -> Manifest with no shards yet."""
+    content = {  # the cache settings that change what the shards hold
+        "layer_ids": layer_ids,
+        "dtype": params.dtype,
+        "shard_tokens": params.shard_tokens,
+        "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
+    }
+    return fmt.Manifest(
+        format_version=fmt.FORMAT_VERSION,
+        target=identity,
+        layer_ids=tuple(layer_ids),
+        hidden_size=hidden_size,
+        feature_dim=len(layer_ids) * hidden_size,
+        dtype=params.dtype,
+        mask_token_id=source.meta["mask_token_id"],
+        fingerprint=fmt.data_fingerprint(source.meta_json, source.split_sizes, content),
+        splits={
+            split: fmt.SplitInfo(planned_sequences=len(lengths), planned_tokens=sum(lengths))
+            for split, lengths in source.lengths.items()
+        },
+    )
 
 
 def _usable_cores() -> int:

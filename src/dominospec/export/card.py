@@ -105,6 +105,12 @@ def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) ->
         "make serve",
         "```",
         "",
+        "## ONNX",
+        "",
+        f"`{params.paths.onnx}`: the block forward (fp32, the target's LM head included) -> base logits and z. "
+        f"`{params.paths.onnx_rollout}`: one rollout step (GRU state, corrected logits, argmax). "
+        "Inputs, outputs and the driving loop: `dominospec.export.onnx_graphs`.",
+        "",
     ]
     return "\n".join(lines)
 

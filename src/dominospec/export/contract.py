@@ -111,21 +111,24 @@ def check_config(config: dict[str, Any]) -> list[str]:
         if not ok:
             problems.append(message)
 
-    require(config.get("architectures") == ARCHITECTURES, f"architectures must be {ARCHITECTURES}, got {config.get('architectures')}")
-    require(config.get("model_type") == MODEL_TYPE, f"model_type must be {MODEL_TYPE!r}, got {config.get('model_type')!r}")
+    require(config.get("architectures") == ARCHITECTURES,
+            f"architectures must be {ARCHITECTURES}, got {config.get('architectures')}")
+    require(config.get("model_type") == MODEL_TYPE,
+            f"model_type must be {MODEL_TYPE!r}, got {config.get('model_type')!r}")
     require("auto_map" not in config, "auto_map must be absent (SGLang loads DFlashDraftModel natively)")
     for key in ("dtype", "torch_dtype"):
         require(config.get(key) == DTYPE, f"{key} must be {DTYPE!r}, got {config.get(key)!r}")
     require(config.get("tie_word_embeddings") is False, "tie_word_embeddings must be false")
     for key in INT_FIELDS:
-        require(_is_int(config.get(key)) and config[key] > 0, f"{key} must be a positive integer, got {config.get(key)!r}")
+        require(_is_int(config.get(key)) and config[key] > 0,
+                f"{key} must be a positive integer, got {config.get(key)!r}")
     for key in FLOAT_FIELDS:
         value = config.get(key)
         require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                 f"{key} must be a positive number, got {value!r}")
     target = config.get("target")
-    require(isinstance(target, dict) and bool(target.get("name")) and bool(target.get("revision") or target.get("sha256")),
-            "target must record the target's identity (name, and revision or sha256)")
+    identified = isinstance(target, dict) and bool(target.get("name") and (target.get("revision") or target.get("sha256")))
+    require(identified, "target must record the target's identity (name, and revision or sha256)")
     if problems:  # the checks below read these fields
         return problems
 
@@ -139,10 +142,12 @@ def check_config(config: dict[str, Any]) -> list[str]:
     if not isinstance(dflash, dict):
         return problems + ["dflash_config must be a mapping"]
     mask = dflash.get("mask_token_id")
-    require(_is_int(mask) and 0 <= mask < config["vocab_size"], f"dflash_config.mask_token_id {mask!r} is not a token id")
-    ids = dflash.get("target_layer_ids")
-    require(isinstance(ids, list) and len(ids) > 0 and all(_is_int(i) and 0 <= i < config["num_target_layers"] for i in ids),
-            f"dflash_config.target_layer_ids {ids!r} must be layer indices in 0..num_target_layers-1")
+    require(_is_int(mask) and 0 <= mask < config["vocab_size"],
+            f"dflash_config.mask_token_id {mask!r} is not a token id")
+    # layer l's output is HF hidden_states[l+1]; the last layer's is normed, so l <= L-2
+    ids, last = dflash.get("target_layer_ids"), config["num_target_layers"] - 2
+    require(isinstance(ids, list) and len(ids) > 0 and all(_is_int(i) and 0 <= i <= last for i in ids),
+            f"dflash_config.target_layer_ids {ids!r} must be layer indices in 0..{last}")
 
     allowed = set(DFLASH_KEYS)
     if profile(config) == DOMINO:
@@ -152,8 +157,8 @@ def check_config(config: dict[str, Any]) -> list[str]:
                     f"dflash_config.{key} must be {json.dumps(value)}, got {json.dumps(dflash.get(key))}")
         for key in DOMINO_SHAPE_KEYS:
             require(_is_int(dflash.get(key)) and dflash[key] > 0, f"dflash_config.{key} must be a positive integer")
-        require(config.get("emb_dim") == dflash.get("emb_dim"),
-                f"top-level emb_dim {config.get('emb_dim')!r} must equal dflash_config.emb_dim {dflash.get('emb_dim')!r}")
+        top, nested = config.get("emb_dim"), dflash.get("emb_dim")
+        require(top == nested, f"top-level emb_dim {top!r} must equal dflash_config.emb_dim {nested!r}")
     else:
         require("emb_dim" not in config, "a plain DFlash draft has no top-level emb_dim")
     extra = sorted(set(dflash) - allowed)

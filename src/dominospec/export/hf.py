@@ -59,8 +59,11 @@ def write_draft_dir(directory: Path, exported_config: dict[str, Any], tensors: d
     """Write config.json and model.safetensors into `directory` (created) -> sha256 of the weights file."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(exported_config, indent=2, sort_keys=True) + "\n")
-    save_file({name: t.cpu() for name, t in tensors.items()}, directory / WEIGHTS_FILE, metadata={"format": "pt"})
-    return file_sha256(directory / WEIGHTS_FILE)
+    weights = directory / WEIGHTS_FILE
+    save_file({name: t.cpu() for name, t in tensors.items()}, weights, metadata={"format": "pt"})
+    # safetensors creates 0600; a served model must be as readable as its config (umask applied)
+    weights.chmod((directory / CONFIG_FILE).stat().st_mode & 0o777)
+    return file_sha256(weights)
 
 
 def file_sha256(path: Path) -> str:

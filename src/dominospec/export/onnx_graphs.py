@@ -65,7 +65,7 @@ class RolloutStep(nn.Module):
     def forward(self, z, state, token_embed, base_logits):
         """[1, H], [1, G], [1, H], [1, V] -> [1, G], [1, V], [1]."""
         state = self.draft.gru_step(token_embed, state)
-        logits = base_logits + self.draft.correction(z, token_embed[:, :0].sum() + state * 0 + state.detach() * 1.0 if False else z[:, :20])
+        logits = base_logits + self.draft.correction(z, state)
         return state, logits, logits.argmax(dim=-1)
 
 
@@ -92,6 +92,7 @@ def export_onnx(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, block_pat
 def passthrough_step(H: int, G: int, V: int, opset: int) -> onnx.ModelProto:
     """The rollout step of a head-off draft, same signature: state unchanged, logits = u, token = argmax u."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    value = helper.make_tensor_value_info
     graph = helper.make_graph(
         [
             helper.make_node("Identity", ["state"], ["new_state"]),
@@ -99,10 +100,9 @@ def passthrough_step(H: int, G: int, V: int, opset: int) -> onnx.ModelProto:
             helper.make_node("ArgMax", ["base_logits"], ["token"], axis=-1, keepdims=0),
         ],
         "dflash_rollout_step",
-        [helper.make_tensor_value_info("z", f32, [1, H]), helper.make_tensor_value_info("state", f32, [1, G]),
-         helper.make_tensor_value_info("token_embed", f32, [1, H]), helper.make_tensor_value_info("base_logits", f32, [1, V])],
-        [helper.make_tensor_value_info("new_state", f32, [1, G]), helper.make_tensor_value_info("logits", f32, [1, V]),
-         helper.make_tensor_value_info("token", i64, [1])],
+        [value("z", f32, [1, H]), value("state", f32, [1, G]), value("token_embed", f32, [1, H]),
+         value("base_logits", f32, [1, V])],
+        [value("new_state", f32, [1, G]), value("logits", f32, [1, V]), value("token", i64, [1])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
