@@ -156,6 +156,7 @@ class EvaluateParams:
     temperature: float  # 0 = greedy: spec output must then equal AR output
     top_p: float  # 1 = off
     top_k: int  # 0 = off
+    num_draft: Optional[int]  # drafts verified per round, 1..block_size; null = block_size - 1 (SGLang's)
     seed: int  # sampling seed of prompt i is seed + i, the same for every mode
     stop_strings: list[str]
     num_threads: Optional[int]  # torch CPU threads; null = torch's default

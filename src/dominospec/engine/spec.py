@@ -11,9 +11,10 @@ A round (spec modes). `start` is the position of the last committed token x_star
 target KV yet; at the start of every round the target KV and the draft context both hold exactly
 positions 0..start-1 (invariant checked).
   1. draft forward over `[x_start, MASK x (B-1)]` at positions start..start+B-1 -> z [B, H];
-     base logits u = target lm_head(z[:K]) [K, V]; K = B-1 (SGLang's convention with
-     `--speculative-num-draft-tokens B`: a verify forward is exactly B tokens, so the τ measured
-     here is the τ SGLang serves). Near the token budget K shrinks to what can still be emitted.
+     base logits u = target lm_head(z[:K]) [K, V]. K defaults to B-1, SGLang's convention with
+     `--speculative-num-draft-tokens B` (a verify forward is exactly B tokens, so the τ measured
+     here is the τ SGLang serves); any K in 1..B may be chosen (slot j predicts x[start+1+j],
+     so B slots give B drafts). Near the token budget K shrinks to what can still be emitted.
   2. rollout -> d_1..d_K (+ the distributions q they were drawn from, when sampling).
   3. verify: one target forward over [x_start, d_1..d_K] (positions start..start+K) with hidden
      states; acceptance (greedy match, or lossless speculative sampling) commits
@@ -99,9 +100,14 @@ class Generation:
 
 
 class SpecEngine:
-    """Target (+ draft) -> `generate(prompt ids) -> Generation`, in mode `ar`, `dflash` or `domino`."""
+    """Target (+ draft) -> `generate(prompt ids) -> Generation`, in mode `ar`, `dflash` or `domino`.
 
-    def __init__(self, target: Target, draft: Optional[DFlashDraftModel], mode: str):
+    `num_draft` = K, the draft tokens verified per round, 1..B (None: B-1). The draft forward
+    always runs the full block it was trained on; a smaller K only shortens the rollout and the
+    verify forward (on CPU the verify cost grows with K, so the best K can be below B-1).
+    """
+
+    def __init__(self, target: Target, draft: Optional[DFlashDraftModel], mode: str, num_draft: Optional[int] = None):
         if mode not in MODES:
             raise UserError(f"unknown decoding mode {mode!r}: expected one of {list(MODES)}")
         self.mode, self.target, self.model = mode, target, target.model
@@ -127,7 +133,9 @@ class SpecEngine:
         self.block_size = int(draft.config.block_size)
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
-        self.num_draft = self.block_size - 1
+        self.num_draft = self.block_size - 1 if num_draft is None else num_draft
+        if not 1 <= self.num_draft <= self.block_size:
+            raise UserError(f"num_draft must lie in 1..block_size ({self.block_size}), got {self.num_draft}")
         self.layer_ids = draft.config.target_layer_ids
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():

@@ -13,7 +13,7 @@ from dominospec.eval.stage import sampling_from
 def generate(params: Params, prompt: str, mode: str) -> Generation:
     """Params + user message + mode (ar | dflash | domino) -> Generation (answer and stats printed).
 
-    Sampling, max_new_tokens, stop strings, seed and threads come from `params.evaluate`.
+    Sampling, max_new_tokens, num_draft, stop strings, seed and threads come from `params.evaluate`.
     """
     from dominospec.target import load_target
 
@@ -23,7 +23,7 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     sampling = sampling_from(cfg)
     target = load_target(params.target)
     draft = None if mode == "ar" else load_draft(draft_dir(params.paths), target)
-    engine = SpecEngine(target, draft, mode)
+    engine = SpecEngine(target, draft, mode, None if mode == "ar" else cfg.num_draft)
     ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats

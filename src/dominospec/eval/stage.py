@@ -60,9 +60,9 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     source = draft_dir(params.paths)
     draft = load_draft(source, target)
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
-    engines = {"ar": SpecEngine(target, None, "ar"), NO_HEAD: SpecEngine(target, draft, NO_HEAD)}
+    engines = {"ar": SpecEngine(target, None, "ar"), NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft)}
     if spec_mode == HEAD:
-        engines[HEAD] = SpecEngine(target, draft, HEAD)
+        engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft)
     loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
     empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
