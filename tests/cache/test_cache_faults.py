@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from cache_helpers import save_regenerated, write_params
 
 from dominospec.cache import format as fmt
@@ -90,6 +91,18 @@ def test_cache_from_another_target_is_refused(built, loaded_targets):
     reader.check_target(loaded_targets["llama"].identity)
     with pytest.raises(fmt.CacheError, match="cache made from target 'llama'.*not 'qwen3'"):
         reader.check_target(loaded_targets["qwen3"].identity.as_dict())
+
+
+def test_items_are_copies(built):
+    _, root = built
+    reader = CacheReader(root, "train")
+    item = reader[4]
+    kept = {k: v.clone() for k, v in item.items()}
+    item["input_ids"].fill_(-1)
+    item["loss_mask"].logical_not_()
+    item["target_hidden"].fill_(123.0)
+    again = reader[4]
+    assert all(torch.equal(again[k], kept[k]) for k in kept)
 
 
 def test_reader_pickles_without_rehashing(built):

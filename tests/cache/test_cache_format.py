@@ -15,7 +15,7 @@ from dominospec.target import default_layer_ids
 
 
 def _manifest(**changes) -> fmt.Manifest:
-    shard = fmt.ShardInfo(file=fmt.shard_name("train", 0), sequences=3, tokens=40, sha256="ab" * 32)
+    shard = fmt.ShardInfo(file=fmt.shard_name("train", 0), sequences=3, tokens=40, sha256="ab" * 32, seconds=1.5)
     fields = dict(
         format_version=fmt.FORMAT_VERSION,
         target={"name": "t", "revision": None, "sha256": "cd" * 32, "dtype": "float32",
@@ -43,7 +43,7 @@ def test_manifest_round_trip(tmp_path):
     assert fmt.read_manifest(tmp_path) == manifest
     assert not list(tmp_path.glob("*.tmp"))
     assert manifest.splits["train"].tokens == 40 and not manifest.splits["train"].complete
-    grown = manifest.with_shard("val", fmt.ShardInfo("val-00000.safetensors", 2, 9, "00" * 32))
+    grown = manifest.with_shard("val", fmt.ShardInfo("val-00000.safetensors", 2, 9, "00" * 32, 0.25))
     assert grown.splits["val"].complete and not grown.complete and manifest.splits["val"].shards == ()
 
 

@@ -69,6 +69,7 @@ def test_round_trip_equals_direct_forward(tmp_path, tiny_targets, loaded_targets
     metrics = json.loads((tmp_path / "metrics" / "cache.json").read_text())
     tokens = sum(len(source["train"][i]["input_ids"]) for i in range(20)) + sum(source["val"]["num_tokens"])
     assert metrics["tokens"] == metrics["computed_tokens"] == tokens
+    assert metrics["tokens_per_s"] > 0 and metrics["shard_seconds"] <= metrics["seconds"]
     assert metrics["splits"]["train"]["sequences"] == 20 and metrics["splits"]["val"]["sequences"] == SIZES["val"]
     assert metrics["layer_ids"] == layer_ids
     assert metrics["bytes_per_token"] == n * target.hidden_size * fmt.DTYPES[dtype].itemsize + 5
@@ -100,7 +101,9 @@ def test_rerun_continues_and_changed_params_start_afresh(tmp_path, tiny_targets,
     cache(params)  # complete and unchanged: nothing recomputed, nothing rewritten
     assert fmt.read_manifest(params.paths.cache) == first
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.safetensors")} == mtimes
-    assert json.loads((tmp_path / "metrics" / "cache.json").read_text())["computed_tokens"] == 0
+    noop = json.loads((tmp_path / "metrics" / "cache.json").read_text())
+    assert noop["computed_tokens"] == 0 and noop["tokens"] > 0
+    assert noop["tokens_per_s"] == round(noop["tokens"] / sum(s.seconds for s in first.shards), 1)  # from the build
 
     (tmp_path / "cache" / "notes.txt").write_text("not ours")
     changed = load_params(write_params(tmp_path / "params.yaml", tiny_targets["llama"], tmp_path,

@@ -180,3 +180,52 @@ def test_crop_kv_works_with_this_transformers_and_refuses_growth(target):
     assert kv_length(kv) == 2 and kv.layers[0].keys.shape[2] == 2
     with pytest.raises(ValueError, match="cannot crop"):
         crop_kv(kv, 3)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "domino"])
+def test_first_round_drafts_follow_the_block_layout(target, draft, monkeypatch, mode):
+    """Slot j of the block [x_T, MASK x (B-1)] sits at position T+j and sees the prompt's features
+    at positions 0..T-1 (computed here without the engine's cache); a shifted layout is silent in
+    the lossless tests (it only lowers τ), so the base logits and proposals are checked directly."""
+    engine = SpecEngine(target, draft, mode)
+    base_seen, proposals = [], []
+    engine.lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
+    accept = spec_module.accept_greedy
+    monkeypatch.setattr(spec_module, "accept_greedy", lambda d, logits: proposals.append(d.tolist()) or accept(d, logits))
+    prompt = [3, 6, 4, 5, 7, 3]
+    T, B = len(prompt), draft.config.block_size
+    engine.generate(prompt, 20)
+
+    with torch.inference_mode():
+        full = target.model(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+        features = torch.cat([full.hidden_states[l + 1] for l in draft.config.target_layer_ids], -1)  # [1, T, n*H]
+        first = full.logits[0, -1].argmax()
+        mask = torch.full((B - 1,), draft.config.mask_token_id)
+        block = target.embed_tokens(torch.cat([first[None], mask]))[None]  # [1, B, H]
+        z = draft(block, torch.arange(T, T + B)[None], target_features=features)[0, : B - 1]  # no cache
+        base_logits = target.lm_head(z)
+        if mode == "dflash":
+            expected = base_logits.argmax(-1).tolist()
+        else:
+            expected = draft.rollout(z, base_logits, first[None], target.embed_tokens).tokens.tolist()
+    torch.testing.assert_close(base_seen[0], base_logits, rtol=1e-9, atol=1e-9)
+    assert proposals[0] == expected
+
+
+def test_end_of_turn_token_of_the_chat_template_stops_generation():
+    """A template closing assistant turns with a special token other than EOS adds it to the stops."""
+    from engine_helpers import tiny_tokenizer
+
+    from dominospec.engine.stops import end_of_turn_id
+
+    tokenizer = tiny_tokenizer(8)
+    tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t7 {% endfor %}"
+    assert end_of_turn_id(tokenizer) is None  # t7 is an ordinary token: not a stop
+    tokenizer.add_special_tokens({"additional_special_tokens": ["t7"]})
+    assert end_of_turn_id(tokenizer) == 7
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    target.tokenizer = tokenizer
+    engine = SpecEngine(target, None, "ar")
+    assert engine.stop_ids == {EOS, 7}
+    out = next(o for o in (engine.generate(p, 40) for p in random_prompts(20, 8, seed=9)) if 7 in o.token_ids)
+    assert out.token_ids[-1] == 7 and out.finish_reason == "stop_token"

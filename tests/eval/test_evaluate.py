@@ -19,10 +19,9 @@ from dominospec.config import load_params
 from dominospec.eval.prompts import humaneval_conversations, jsonl_conversations
 from dominospec.eval.stage import evaluate
 
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import tiny_draft, tiny_tokenizer  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 VOCAB = 64
 TRAIN_RUN_ID = "0123456789abcdef"
@@ -179,7 +178,7 @@ def test_generate_command_prints_answer_then_tau_and_speed(setup, capsys):
     params_path, _ = setup
     assert main(["generate", "--params", str(params_path), "--prompt", "t5 t6 t7"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].startswith("[domino, B=4, T=0.0]") and "τ " in lines[-1] and "tokens/s" in lines[-1]
+    assert lines[-1].startswith("[domino, B=4, K=3, T=0.0]") and "τ " in lines[-1] and "tokens/s" in lines[-1]
     assert lines[0].startswith("t")  # the decoded answer of the word-level tokenizer
 
 

@@ -16,7 +16,9 @@ A shard holds a run of whole sequences, concatenated along the token axis (N tok
 Sequence i of a split is row i of the source split (dataset order); shard k holds the rows that follow
 those of shard k-1. A shard counts only once the manifest lists it with its sha256; shards are written
 under a temporary name and renamed, then the manifest is replaced atomically, so a killed writer never
-leaves a partial shard that counts.
+leaves a partial shard that counts. A re-run reuses shards when the manifest header (format version,
+target, layers, dtype, data fingerprint) matches; code is not part of it, so a change that alters what
+a shard holds for the same inputs must bump FORMAT_VERSION.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -34,7 +37,7 @@ import torch
 
 from dominospec.cli import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump whenever a shard or the manifest changes shape or meaning (2: shard seconds)
 MANIFEST_NAME = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
@@ -64,6 +67,7 @@ class ShardInfo:
     sequences: int
     tokens: int
     sha256: str
+    seconds: float  # time spent computing and writing it (provenance for throughput; not content)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,11 @@ class Manifest:
     @property
     def complete(self) -> bool:
         return all(info.complete for info in self.splits.values())
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        """All shards, split by split in SPLITS order."""
+        return [s for info in self.splits.values() for s in info.shards]
 
     def with_shard(self, split: str, shard: ShardInfo) -> "Manifest":
         """-> a copy with `shard` appended to `split`."""
@@ -183,8 +192,6 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def free_bytes(path: Path) -> int:
     """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
-    import shutil
-
     path = Path(path).absolute()
     while not path.exists():
         path = path.parent

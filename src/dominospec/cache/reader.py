@@ -63,7 +63,8 @@ class CacheReader:
         return {
             "input_ids": handle.get_slice(fmt.INPUT_IDS)[a:b].long(),
             "loss_mask": handle.get_slice(fmt.LOSS_MASK)[a:b].bool(),
-            "target_hidden": handle.get_slice(fmt.TARGET_HIDDEN)[a:b],
+            # the slice is a view of the shared file mapping: copy, so a caller's in-place op stays its own
+            "target_hidden": handle.get_slice(fmt.TARGET_HIDDEN)[a:b].clone(),
         }
 
     def check_target(self, identity: Union[TargetIdentity, dict[str, Any]]) -> None:

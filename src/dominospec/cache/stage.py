@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -116,23 +116,23 @@ def cache(params: Params) -> None:
     )
 
     dtype = fmt.DTYPES[cp.dtype]
-    computing = time.perf_counter()
     with tqdm(total=remaining, unit="tok", unit_scale=True, desc="cache", dynamic_ncols=True) as bar:
         for split in fmt.SPLITS:
             ds = source.splits[split]
             for index, rows in enumerate(plans[split]):
                 if index < resumed[split]:
                     continue
+                shard_started = time.perf_counter()
                 batch = ds[rows.start : rows.stop]
                 check_rows(batch, target.identity.vocab_size, f"{params.paths.regenerated} {split}", rows.start)
                 tensors = compute_shard(
                     target.model, batch, layer_ids, cp.batch_tokens, dtype, device, on_tokens=bar.update
                 )
-                manifest = manifest.with_shard(split, write_shard(root, split, index, tensors))
+                shard = write_shard(root, split, index, tensors, seconds=time.perf_counter() - shard_started)
+                manifest = manifest.with_shard(split, shard)
                 fmt.write_manifest(root, manifest)
-    finished = time.perf_counter()
-    times = {"started": started, "loaded": loaded, "computing": computing, "finished": finished}
-    _write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, remaining, times)
+    run = {"computed_tokens": remaining, "seconds": time.perf_counter() - started, "load_seconds": loaded - started}
+    write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, run)
 
 
 def planned_manifest(
@@ -168,17 +168,20 @@ def _usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _write_metrics(path: Path, root: Path, manifest: fmt.Manifest, computed: int, times: dict[str, float]) -> None:
-    compute_s = times["finished"] - times["computing"]
-    tokens_per_s: Optional[float] = round(computed / compute_s, 1) if computed else None
-    files = [root / s.file for info in manifest.splits.values() for s in info.shards] + [root / fmt.MANIFEST_NAME]
+def write_metrics(path: Path, root: Path, manifest: fmt.Manifest, run: dict[str, float]) -> None:
+    """Complete cache + this run's timings -> `path` (metrics/cache.json), written atomically.
+
+    `tokens_per_s` covers the whole cache, from the per-shard times in the manifest, so it stays
+    meaningful when the cache was built over several (resumed) runs or a re-run had nothing to do.
+    """
+    shard_seconds = sum(s.seconds for s in manifest.shards)
+    tokens = sum(s.tokens for s in manifest.shards)
     metrics = {
-        "tokens": sum(info.tokens for info in manifest.splits.values()),
-        "sequences": sum(info.sequences for info in manifest.splits.values()),
-        "tokens_per_s": tokens_per_s,  # target forward throughput of this run (computed tokens)
-        "computed_tokens": computed,
+        "tokens": tokens,
+        "sequences": sum(s.sequences for s in manifest.shards),
+        "tokens_per_s": round(tokens / shard_seconds, 1) if shard_seconds > 0 else None,
         "bytes_per_token": manifest.bytes_per_token,
-        "shards": sum(len(info.shards) for info in manifest.splits.values()),
+        "shards": len(manifest.shards),
         "layer_ids": list(manifest.layer_ids),
         "feature_dim": manifest.feature_dim,
         "dtype": manifest.dtype,
@@ -186,11 +189,13 @@ def _write_metrics(path: Path, root: Path, manifest: fmt.Manifest, computed: int
             split: {"sequences": info.sequences, "tokens": info.tokens, "shards": len(info.shards)}
             for split, info in manifest.splits.items()
         },
-        "seconds": round(times["finished"] - times["started"], 2),
-        "load_seconds": round(times["loaded"] - times["started"], 2),
-        "compute_seconds": round(compute_s, 2),
+        "shard_seconds": round(shard_seconds, 2),  # target forwards + writes, summed over all runs
+        "seconds": round(run["seconds"], 2),  # this run, model load included
+        "load_seconds": round(run["load_seconds"], 2),
+        "computed_tokens": run["computed_tokens"],  # this run; 0 when the cache was already complete
         "num_threads": torch.get_num_threads(),
-        "disk_bytes": sum(f.stat().st_size for f in files),
+        "disk_bytes": sum((root / s.file).stat().st_size for s in manifest.shards)
+        + (root / fmt.MANIFEST_NAME).stat().st_size,
         "target": manifest.target,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

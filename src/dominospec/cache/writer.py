@@ -93,7 +93,7 @@ def stale_files(root: Path, manifest: fmt.Manifest) -> list[Path]:
     """Cache files in root that `manifest` does not list: old shards, temporary files, old manifest."""
     if not root.is_dir():
         return []
-    listed = {s.file for info in manifest.splits.values() for s in info.shards}
+    listed = {s.file for s in manifest.shards}
     return [p for p in sorted(root.iterdir()) if p.is_file() and fmt.is_cache_file(p.name) and p.name not in listed]
 
 
@@ -176,8 +176,10 @@ def compute_shard(
     return fmt.shard_tensors(input_ids, loss_mask, hidden, offsets)
 
 
-def write_shard(root: Path, split: str, index: int, tensors: dict[str, torch.Tensor]) -> fmt.ShardInfo:
-    """Shard tensors -> `root/<split>-<index>.safetensors` (temp name + rename) -> its ShardInfo."""
+def write_shard(
+    root: Path, split: str, index: int, tensors: dict[str, torch.Tensor], seconds: float
+) -> fmt.ShardInfo:
+    """Shard tensors (computed in `seconds`) -> `root/<split>-<index>.safetensors` (temp + rename) -> ShardInfo."""
     name = fmt.shard_name(split, index)
     data = safetensors_bytes(tensors, metadata={"format_version": str(fmt.FORMAT_VERSION)})
     fmt.write_atomic(root / name, data)
@@ -186,4 +188,5 @@ def write_shard(root: Path, split: str, index: int, tensors: dict[str, torch.Ten
         sequences=tensors[fmt.OFFSETS].shape[0] - 1,
         tokens=tensors[fmt.INPUT_IDS].shape[0],
         sha256=hashlib.sha256(data).hexdigest(),
+        seconds=round(seconds, 3),
     )

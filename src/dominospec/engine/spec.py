@@ -178,7 +178,7 @@ class SpecEngine:
         t_begin = self._now()
         kv = DynamicCache()
         context = DraftContextCache(len(self.draft.layers)) if spec else None
-        out = self.model(input_ids=prompt[None], **{self.cache_arg: kv}, use_cache=True, output_hidden_states=spec, logits_to_keep=1)
+        out = self._target_forward(prompt[None], kv, hidden=spec, keep=1)
         first = int(sampling.sample(out.logits[0, -1:], generator)[0])
         if spec:
             self._append_context(context, out.hidden_states, T)
@@ -237,7 +237,7 @@ class SpecEngine:
         t2 = self._now()
 
         verify_ids = torch.cat([x_start, draft_tokens])[None]  # [1, K+1]
-        out = self.model(input_ids=verify_ids, **{self.cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=K + 1)
+        out = self._target_forward(verify_ids, kv, hidden=True, keep=K + 1)
         logits = out.logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
         if sampling.greedy:
             n, nxt = accept_greedy(draft_tokens, logits)
@@ -285,7 +285,7 @@ class SpecEngine:
         """One target forward on the last token -> (1, finish reason)."""
         t0 = self._now()
         x = torch.tensor([[tokens[-1]]], device=self.device)
-        out = self.model(input_ids=x, **{self.cache_arg: kv}, use_cache=True, logits_to_keep=1)
+        out = self._target_forward(x, kv, hidden=False, keep=1)
         nxt = int(sampling.sample(out.logits[0, -1:], generator)[0])
         m, reason = self._admit(tokens, [nxt], budget)
         tokens += [nxt][:m]
@@ -295,6 +295,12 @@ class SpecEngine:
         return m, reason
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _target_forward(self, ids: torch.Tensor, kv: DynamicCache, hidden: bool, keep: int):
+        """ids [1, T] after the cached rows (appended to `kv`) -> output with logits [1, keep, V]
+        for the last `keep` positions, and all hidden states when `hidden`."""
+        return self.model(input_ids=ids, **{self.cache_arg: kv}, use_cache=True, output_hidden_states=hidden,
+                          logits_to_keep=keep)
 
     def _admit(self, tokens: list[int], proposed: list[int], budget: int) -> tuple[int, Optional[str]]:
         """How many of `proposed` may follow `tokens` -> (count, finish reason or None)."""

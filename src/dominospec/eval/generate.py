@@ -28,6 +28,8 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats
     print(out.text)
-    print(f"\n[{mode}, B={engine.block_size}, T={cfg.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s: "
-          f"τ {s.acceptance_length:.2f} over {s.rounds} verify rounds, {s.tokens_per_s:.1f} tokens/s ({out.finish_reason})")
+    tau = "" if mode == "ar" else f"τ {s.acceptance_length:.2f} over {s.rounds} verify rounds, "
+    setup = mode if mode == "ar" else f"{mode}, B={engine.block_size}, K={engine.num_draft}"
+    print(f"\n[{setup}, T={cfg.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s: "
+          f"{tau}{s.tokens_per_s:.1f} tokens/s ({out.finish_reason})")
     return out

@@ -139,7 +139,8 @@ def log_run(params: Params, report: dict[str, Any], artifacts: list[Path]) -> No
     metrics = {}
     for suite, entry in report["suites"].items():
         flat = {**entry, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()}}
-        metrics.update({f"{suite}/{k}": float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        numeric = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics.update({f"{suite}/{k}": float(v) for k, v in numeric.items()})
     with mlflow.start_run(experiment_id=experiment, run_name="evaluate", tags=tags):
         mlflow.log_params(flat_params(params))
         mlflow.log_metrics(metrics)

@@ -1,0 +1,72 @@
+"""Suite metrics: pooled τ (not a mean of per-prompt τ), exact match, divergences with the target's
+top-2 margin, acceptance by position. Hand-built generations with known counts.
+Run: python -m pytest tests/eval/test_report.py -q
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dominospec.engine import Generation, GenerationStats, SpecEngine
+from dominospec.eval.report import acceptance_by_position, first_divergence, suite_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import tiny_target  # noqa: E402
+
+
+def generation(mode, tokens, accepted_lengths, seconds, accepted=(0, 0), proposed=(0, 0)):
+    stats = GenerationStats(mode, prompt_tokens=3, num_draft=2 if mode != "ar" else 0, new_tokens=len(tokens),
+                            rounds=len(accepted_lengths), accepted_lengths=list(accepted_lengths),
+                            position_accepted=list(accepted) if mode != "ar" else [],
+                            position_proposed=list(proposed) if mode != "ar" else [],
+                            total_s=seconds, verify_s=seconds / 2, prefill_s=0.2)
+    return Generation(token_ids=list(tokens), text="", finish_reason="length", stats=stats)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_suite_report_pools_tau_and_records_divergences_with_margin():
+    target = tiny_target("llama", vocab=16, dtype=torch.float64)
+    ar_engine = SpecEngine(target, None, "ar")
+    prompts = [[3, 4, 5], [6, 7, 8]]
+    runs = [
+        {"ar": generation("ar", [5, 6, 7, 8, 9], [1, 1, 1, 1], 2.0),
+         "dflash": generation("dflash", [5, 6, 7, 8, 9], [2, 1, 1], 1.0, accepted=(1, 0), proposed=(3, 3)),
+         "domino": generation("domino", [5, 6, 7, 8, 9], [4], 0.5, accepted=(1, 1), proposed=(1, 1))},
+        {"ar": generation("ar", [9, 9, 9, 9], [1, 1, 1], 2.0),
+         "dflash": generation("dflash", [9, 9, 9, 9], [1, 1, 1], 2.0, accepted=(0, 0), proposed=(3, 3)),
+         "domino": generation("domino", [9, 9, 4, 4], [1, 1, 1], 1.5, accepted=(0, 0), proposed=(3, 2))},
+    ]
+    report = suite_report(runs, prompts, "domino", greedy=True, ar_engine=ar_engine, skipped_too_long=1)
+    # pooled: (4 + 3) / (1 + 3) = 1.75, while the mean of per-prompt τ would be (4 + 1) / 2 = 2.5
+    assert report["acceptance_length"] == pytest.approx(1.75)
+    assert report["acceptance_length_no_head"] == pytest.approx((4 + 3) / 6)
+    assert report["ar_tokens_per_s"] == pytest.approx(9 / 4.0)
+    assert report["spec_tokens_per_s"] == pytest.approx(9 / 2.0)
+    assert report["speedup"] == pytest.approx(2.0)
+    assert report["speedup_decode"] == pytest.approx((4.0 - 0.4) / (2.0 - 0.4))  # 0.2 s prefill per prompt
+    assert report["exact_match"] == 0.5 and report["exact_match_no_head"] == 1.0
+    assert report["acceptance_by_position"] == [pytest.approx(1 / 4), pytest.approx(1 / 3)]
+    assert report["skipped_too_long"] == 1 and report["n_prompts"] == 2
+    (divergence,) = report["divergences"]
+    assert {k: divergence[k] for k in ("prompt", "mode", "position", "ar_token", "spec_token")} == {
+        "prompt": 1, "mode": "domino", "position": 2, "ar_token": 9, "spec_token": 4}
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([[6, 7, 8, 9, 9]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert divergence["top2_margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-6)  # computed in fp32
+    assert report["max_divergence_margin"] == divergence["top2_margin"]
+
+
+def test_sampled_runs_have_no_exact_match_and_positions_unproposed_are_none():
+    gens = [generation("domino", [1, 2], [1], 1.0, accepted=(0, 0), proposed=(2, 0))]
+    assert acceptance_by_position(gens) == [0.0, None]
+    runs = [{"ar": generation("ar", [1, 2], [1], 1.0), "dflash": gens[0], "domino": gens[0]}]
+    report = suite_report(runs, [[1]], "domino", greedy=False, ar_engine=None, skipped_too_long=0)
+    assert report["exact_match"] is None and report["divergences"] == []
