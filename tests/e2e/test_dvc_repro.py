@@ -51,11 +51,12 @@ def test_dvc_repro_runs_every_stage_on_a_tiny_setup(tmp_path):
 
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["target"].update(model=str(target), gguf_file=None, device="cpu")
-    raw["prepare"].update(source=str(FIXTURE), max_length=256, val_fraction=0.3, test_fraction=0.1, num_proc=1)
+    raw["prepare"].update(source=str(FIXTURE), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
     raw["cache"].update(num_feature_layers=2, max_train_conversations=None, max_val_conversations=None)
     raw["draft"].update(block_size=4, gru_hidden_dim=16, emb_dim=8)
     raw["train"].update(max_steps=4, batch_size=2, num_anchors=4, val_every_steps=4, checkpoint_every_steps=2,
                         val_max_sequences=4, precision="32-true", accelerator="cpu")
+    raw["evaluate"].update(max_prompts=2, max_new_tokens=16, suites=["sharegpt"])
     (work / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
     env_bin = Path(sys.executable).parent
@@ -66,12 +67,16 @@ def test_dvc_repro_runs_every_stage_on_a_tiny_setup(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
     lock = yaml.safe_load((work / "dvc.lock").read_text())
-    assert set(lock["stages"]) >= {"prepare", "regenerate", "cache", "train"}
+    assert set(lock["stages"]) >= {"prepare", "regenerate", "cache", "train", "export", "evaluate"}
     prepare = json.loads((work / "metrics" / "prepare.json").read_text())
     assert prepare["conversations_read"] >= 5
     train = json.loads((work / "metrics" / "train.json").read_text())
     assert train["steps"] == 4
     assert (work / "artifacts" / "checkpoints" / "final" / "config.json").is_file()
+    assert (work / "artifacts" / "draft" / "model.safetensors").is_file()
+    evaluation = json.loads((work / "metrics" / "eval.json").read_text())
+    suite = evaluation["suites"]["sharegpt"]
+    assert suite["n_prompts"] == 2 and suite["exact_match"] == 1.0 and suite["acceptance_length"] >= 1.0
 
     # A second repro with nothing changed runs nothing.
     again = subprocess.run(dvc + ["repro"], cwd=work, capture_output=True, text=True, env=env, timeout=300)
