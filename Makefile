@@ -41,8 +41,10 @@ serve: setup
 ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host $(HOST) --port 5000
 
+# The scheduled job (cron/CI): re-run the pipeline as a named DVC experiment; each run's
+# training and evaluation land in MLflow, and `dvc exp show` compares them.
 retrain: setup
-	$(VENV)/bin/dominospec retrain --params $(PARAMS)
+	source $(VENV)/bin/activate && dvc exp run --name retrain-$$(date +%Y%m%d-%H%M%S)
 
 clean-venv:
 	rm -rf $(VENV)

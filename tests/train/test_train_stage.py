@@ -67,6 +67,7 @@ def test_train_writes_checkpoints_metrics_plots_and_mlflow_run(tiny_cache, tmp_p
     train(params)
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 6
+    assert 0 < metrics["train_minutes"] < 5
     assert 1.0 <= metrics["val_acceptance_length"] <= 5.0
     assert len(metrics["val_accuracy_by_position"]) == 4 == len(metrics["val_accuracy_by_position_base"])
     assert sorted(curve(tmp_path)) == [1, 2, 3, 4, 5, 6]
@@ -106,6 +107,9 @@ def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):
     shutil.copy(full / "mlflow.db", resumed / "mlflow.db")
     train(load_params(run_params(tiny_cache, resumed)))
     again = curve(resumed)
+    # the resumed run's minutes include the part before the checkpoint it resumed from
+    minutes = json.loads((resumed / "metrics" / "train.json").read_text())["train_minutes"]
+    assert minutes > 0
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     for step in (3, 4, 5, 6):
         assert again[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 
@@ -15,11 +16,25 @@ CURVE_KEYS = ("train/loss", "train/loss_base", "train/loss_final", "train/lambda
 
 
 class CurveRecorder(L.Callback):
-    """Keeps (step, loss, loss_base, loss_final, lambda, lr) rows; saved in checkpoints, so a
-    resumed run's curve is complete."""
+    """Keeps (step, loss, loss_base, loss_final, lambda, lr) rows and the training wall time;
+    both are saved in checkpoints, so a resumed run's curve and minutes are complete."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
+        self.train_seconds = 0.0  # optimisation time of all invocations up to the last checkpoint
+        self._since: Optional[float] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._since = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._bank()
+
+    def _bank(self) -> None:
+        if self._since is not None:
+            now = time.perf_counter()
+            self.train_seconds += now - self._since
+            self._since = now
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -33,10 +48,12 @@ class CurveRecorder(L.Callback):
         self.rows.append(row)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rows": self.rows}
+        self._bank()
+        return {"rows": self.rows, "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rows = list(state_dict.get("rows", []))
+        self.train_seconds = float(state_dict.get("train_seconds", 0.0))
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

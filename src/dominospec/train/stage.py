@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,7 +59,6 @@ def train(params: Params) -> None:
     from dominospec.train.build import TrainingSetup, build_training
     from dominospec.tracking import flat_params, lightning_logger
 
-    t0 = time.time()
     torch.set_float32_matmul_precision("high")
     L.seed_everything(params.train.seed, workers=True)
     setup: TrainingSetup = build_training(params)
@@ -106,7 +104,8 @@ def train(params: Params) -> None:
     if trainer.is_global_zero:
         setup.module.draft.save_pretrained(ckpt_dir / "final", safe_serialization=True)
         summary = setup.module.final_validation()
-        write_train_outputs(params, trainer, curves, summary, minutes=(time.time() - t0) / 60, logger=logger)
+        # Minutes of optimisation over every invocation (a resumed run counts its earlier part).
+        write_train_outputs(params, trainer, curves, summary, minutes=curves.train_seconds / 60, logger=logger)
 
 
 def lightning_strategy(params: Params) -> Any:
