@@ -127,5 +127,5 @@ def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict
         "val_accuracy_by_position_base": summary["accuracy_by_position_base"],
         "val_loss": summary.get("loss"),
         "steps": steps,
-        "train_minutes": round(minutes, 2),
+        "train_minutes": round(minutes, 4),
     }
