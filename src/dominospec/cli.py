@@ -69,11 +69,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--params", default="params.yaml")
     sub.choices["evaluate"].add_argument("--prompts", help="JSONL of {prompt} / {messages}: evaluate only this suite")
     sub.choices["evaluate"].add_argument("--out", help="write the report here (plots next to it) instead of metrics/")
+    sub.choices["evaluate"].add_argument("--server", metavar="URL",
+                                         help="evaluate a running server instead (out: metrics/serve_eval.json)")
+    sub.choices["evaluate"].add_argument("--concurrency", type=int, metavar="N",
+                                         help="with --server: requests in flight at the second level "
+                                              "(default: evaluate.server_concurrency)")
     gen = sub.add_parser("generate", help="answer one prompt; print the answer, τ and tokens/s")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--mode", default="domino", choices=["ar", "dflash", "domino"])
     gen.add_argument("--params", default="params.yaml")
+    srv = sub.add_parser("serve", help="serve the final model (SGLang on a CUDA host, else the built-in server)")
+    srv.add_argument("--params", default="params.yaml")
+    srv.add_argument("--host", help="default: serve.host")
+    srv.add_argument("--port", type=int, help="default: serve.port (0 = any free port, built-in server)")
+    srv.add_argument("--backend", choices=["auto", "sglang", "builtin"], help="default: serve.backend")
     args = parser.parse_args(argv)
+    if args.command == "evaluate" and args.concurrency is not None and not args.server:
+        parser.error("--concurrency applies to --server only")
+    if args.command == "evaluate" and args.server:
+        served = _resolve("dominospec.eval.served:evaluate_server")
+        return _run(lambda: served(load_params(args.params), args.server, out=args.out, prompts=args.prompts,
+                                   concurrency=args.concurrency))
     if args.command == "evaluate":
         evaluate = _resolve(STAGES["evaluate"])
         return _run(lambda: evaluate(load_params(args.params), prompts=args.prompts, out=args.out))
@@ -82,6 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "generate":
         generate = _resolve("dominospec.eval.generate:generate")
         return _run(lambda: generate(load_params(args.params), args.prompt, args.mode))
+    if args.command == "serve":
+        serve = _resolve("dominospec.serve.launch:serve")
+        return _run(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend))
     parser.error(f"unknown command {args.command}")
     return 2
 

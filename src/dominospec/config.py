@@ -9,6 +9,7 @@ problem raises `ParamsError` naming the file and the dotted key, before any work
 
 Stage name = pipeline script name = params section. Sections without a stage (`paths`,
 `target`, `mlflow`) are shared by all stages.
+`serve` configures `dominospec serve` (no DVC stage: serving is not a pipeline step).
 """
 
 from __future__ import annotations
@@ -160,6 +161,27 @@ class EvaluateParams:
     seed: int  # sampling seed of prompt i is seed + i, the same for every mode
     stop_strings: list[str]
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
+    server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
+
+
+@dataclass(frozen=True)
+class ServeParams:
+    """`dominospec serve` / `make serve`: SGLang on a CUDA host, else the built-in server (same API subset)."""
+
+    host: str
+    port: int
+    backend: Literal["auto", "sglang", "builtin"]  # auto: sglang when importable and CUDA is available
+    mode: Literal["domino", "dflash", "ar"]  # built-in server only (SGLang serves what the draft's config says)
+    num_draft: Optional[int]  # built-in: K drafts per round, 1..block_size; null = block_size - 1
+    max_queue: int  # built-in: requests waiting for the engine; one more gets 503
+    max_body_bytes: int  # built-in: larger request bodies get 413, before parsing
+    max_prompt_tokens: int  # built-in: longer prompts (after the chat template) get 400
+    max_tokens_limit: int  # built-in: largest max_tokens a request may ask for
+    default_max_tokens: int  # built-in: max_tokens when a request gives none
+    api_key_env: str  # env var holding the bearer key; set and non-empty = every /v1/* request needs it
+    served_model_name: Optional[str]  # the `model` name clients use; null = the target's name
+    sglang_args: list[str]  # extra CLI arguments appended to the SGLang command
+    num_threads: Optional[int]  # built-in: torch CPU threads; null = torch's default
 
 
 @dataclass(frozen=True)
@@ -184,6 +206,7 @@ class Params:
     train: TrainParams
     export: ExportParams
     evaluate: EvaluateParams
+    serve: ServeParams
     mlflow: MlflowParams
     source: Path = field(default=Path("params.yaml"), compare=False)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -95,7 +95,7 @@ class Generation:
 
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop_token" | "stop_string" | "length"
+    finish_reason: str  # "stop_token" | "stop_string" | "length" | "abort" (on_tokens returned False)
     stats: GenerationStats
 
 
@@ -151,9 +151,17 @@ class SpecEngine:
         sampling: Sampling = Sampling(),
         stop_strings: Sequence[str] = (),
         seed: Optional[int] = None,
+        on_tokens: Optional[Callable[[list[int]], bool]] = None,
     ) -> Generation:
         """Prompt token ids [T] -> Generation of at most `max_new_tokens` tokens (fewer when a stop
-        token or stop string ends it, or the target's context is full). `seed` seeds sampling."""
+        token or stop string ends it, or the target's context is full). `seed` seeds sampling.
+
+        `on_tokens` (streaming) is called after the first token and after every round with the ids
+        committed in that step, after stop-token, budget and stop-string trimming: the chunks
+        concatenate to `token_ids`. It returning False ends generation with finish_reason "abort"
+        (e.g. the client has gone). The text of a chunk may still end in part of a stop string that
+        a later step completes; `Generation.text` is the authoritative text.
+        """
         prompt = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)  # [T]
         T = prompt.numel()
         if T == 0:
@@ -188,6 +196,7 @@ class SpecEngine:
         new, reason = self._admit(tokens, [first], budget)
         tokens += [first][:new]
         checked = 0  # characters of the text already searched for stop strings
+        streamed = 0  # tokens already handed to on_tokens
         while True:
             if stops:
                 text = self._decode(tokens)
@@ -195,6 +204,11 @@ class SpecEngine:
                     tokens = self._trim_to_stop_string(tokens, len(tokens) - new, stops)
                     reason = "stop_string"
                 checked = len(text)
+            if on_tokens is not None:
+                keep_going = on_tokens(tokens[streamed:])  # this step's committed ids, never empty
+                streamed = len(tokens)
+                if not keep_going and reason is None:
+                    reason = "abort"
             if reason is not None:
                 break
             start = T + len(tokens) - 1  # position of x_start = tokens[-1]

@@ -33,11 +33,12 @@ HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the code
 
 @dataclass(frozen=True)
 class Suite:
-    """A named list of prompts, as token ids, and how many candidates were too long."""
+    """A named list of prompts, as chat messages and as their token ids, and how many were too long."""
 
     name: str
-    prompts: list[list[int]]
+    prompts: list[list[int]]  # prompts[i] = render(tokenizer, messages[i])
     skipped_too_long: int
+    messages: list[Messages]
 
 
 def suite_name(spec: str) -> str:
@@ -47,16 +48,8 @@ def suite_name(spec: str) -> str:
 
 def load_suite(spec: str, tokenizer: Any, prepared_dir: str, max_prompts: int, max_prompt_tokens: int) -> Suite:
     """Suite entry -> Suite of at most `max_prompts` rendered prompts of at most `max_prompt_tokens` tokens."""
-    if spec == "sharegpt":
-        conversations: Iterable[Messages] = sharegpt_conversations(prepared_dir)
-    elif spec == "humaneval":
-        conversations = humaneval_conversations()
-    elif spec.endswith(".jsonl"):
-        conversations = jsonl_conversations(Path(spec))
-    else:
-        raise UserError(f"evaluate.suites: unknown suite {spec!r}: use sharegpt, humaneval or a path ending in .jsonl")
-    prompts, skipped = [], 0
-    for messages in conversations:
+    prompts, kept, skipped = [], [], 0
+    for messages in suite_conversations(spec, prepared_dir):
         if len(prompts) == max_prompts:
             break
         ids = render(tokenizer, messages)
@@ -64,7 +57,19 @@ def load_suite(spec: str, tokenizer: Any, prepared_dir: str, max_prompts: int, m
             skipped += 1
             continue
         prompts.append(ids)
-    return Suite(suite_name(spec), prompts, skipped)
+        kept.append(messages)
+    return Suite(suite_name(spec), prompts, skipped, kept)
+
+
+def suite_conversations(spec: str, prepared_dir: str) -> Iterable[Messages]:
+    """Suite entry (`sharegpt`, `humaneval` or a .jsonl path) -> its conversations, in file order."""
+    if spec == "sharegpt":
+        return sharegpt_conversations(prepared_dir)
+    if spec == "humaneval":
+        return humaneval_conversations()
+    if spec.endswith(".jsonl"):
+        return jsonl_conversations(Path(spec))
+    raise UserError(f"evaluate.suites: unknown suite {spec!r}: use sharegpt, humaneval or a path ending in .jsonl")
 
 
 def render(tokenizer: Any, messages: Messages) -> list[int]:

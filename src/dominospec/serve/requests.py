@@ -1,0 +1,160 @@
+"""Request bodies of `POST /v1/chat/completions` and `POST /v1/completions`: parsed and checked.
+
+`parse_request(raw bytes, ChatRequest | CompletionRequest)` -> the model, or ApiError 400 naming
+the field: broken JSON (NaN and Infinity included), a body that is not an object, a wrong type
+(types are strict: "0.5" is not a float, true is not an int), a value out of range. Unknown fields
+are ignored, as OpenAI clients send many (`user`, `logprobs: false`, ...). Limits that come from
+params (`serve.max_tokens_limit`, `serve.max_prompt_tokens`) are checked by the app.
+
+Accepted fields (SGLang's OpenAI subset):
+  model             optional; must be the served name
+  messages (chat)   [{role: system|user|assistant, content: str | [{type: "text", text}]}], >= 1
+  prompt (compl.)   a non-empty string, tokenized as is (no chat template)
+  max_tokens        >= 1 (chat: `max_completion_tokens` wins when both are given)
+  temperature       >= 0; below 1e-6 decodes greedily (SGLang's rule)
+  top_p             (0, 1];   top_k  -1 or 0 = off, else >= 1
+  stop              a string or a list of at most 4 strings, each 1..256 characters
+  seed              0 <= seed < 2**63;   n  only 1
+  stream, stream_options.include_usage, return_meta_info   booleans
+Sampling fields a request leaves out take the target's generation_config.json value, else
+temperature 1, top_p 1, top_k off: SGLang's default `--sampling-defaults model`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dominospec.engine import Sampling
+from dominospec.serve.errors import ApiError, validation_error
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # bounds the streamer's stop-string look-behind
+GREEDY_BELOW = 1e-6  # SGLang decodes greedily below this temperature
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Message(Strict):
+    role: str
+    content: str
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: str) -> str:
+        if role not in ("system", "user", "assistant"):
+            raise ValueError("must be one of 'system', 'user', 'assistant'")
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, content: Any) -> Any:
+        """A list of text parts [{type: "text", text}] -> their concatenation."""
+        if isinstance(content, list):
+            text_parts = (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+            if not all(text_parts):
+                raise ValueError('must be a string or a list of {"type": "text", "text": string} parts')
+            return "".join(p["text"] for p in content)
+        return content
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """The fields both endpoints share."""
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: Optional[int] = Field(None, ge=-1)
+    stop: Any = ()  # -> tuple of strings (the validator runs on given values only)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    n: int = 1
+    return_meta_info: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: Any) -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if not all(1 <= len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"every stop string must have 1..{MAX_STOP_CHARS} characters")
+        return tuple(stops)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n = 1 is supported")
+        return n
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def sampling(self, defaults: dict[str, Any]) -> Sampling:
+        """Request fields, else the target's generation_config `defaults`, else SGLang's -> Sampling."""
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        temperature = float(pick("temperature", 1.0))
+        top_k = int(pick("top_k", -1))
+        return Sampling(temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                        top_p=float(pick("top_p", 1.0)), top_k=max(top_k, 0))
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str = Field(min_length=1)
+
+
+def parse_request(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
+    """Request body bytes -> a validated `model`; ApiError 400 naming the field otherwise."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty: expected a JSON object", None, "invalid_json")
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", None, "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(err.errors()) from None
+
+
+def sampling_defaults(generation_config: Any) -> dict[str, Any]:
+    """A model's GenerationConfig -> the sampling values its generation_config.json sets explicitly."""
+    if generation_config is None:
+        return {}
+    explicit = generation_config.to_diff_dict()
+    return {key: explicit[key] for key in SAMPLING_KEYS if explicit.get(key) is not None}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
