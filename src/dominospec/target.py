@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from dominospec.config import TargetParams
+from dominospec.files import sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,13 +109,10 @@ def resolve_source(params: TargetParams) -> tuple[str, Optional[str], bool]:
 
 def fingerprint(source: str, gguf_file: Optional[str]) -> str:
     """sha256 of a GGUF file, or of a local HF directory's config and weight-file headers."""
-    h = hashlib.sha256()
     root = Path(source)
     if gguf_file is not None:
-        with open(root / gguf_file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        return h.hexdigest()
+        return sha256_file(root / gguf_file)
+    h = hashlib.sha256()
     # Hashing tens of GB of weights would dominate start-up: hash config, names, sizes, headers.
     for p in sorted(root.iterdir()):
         if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".json"):

@@ -142,14 +142,14 @@ def test_full_disk_while_writing_leaves_no_temp_file(tmp_path, tiny_targets, loa
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    monkeypatch.setattr(fmt.os, "fsync", fsync_fills_the_disk)
+    monkeypatch.setattr(os, "fsync", fsync_fills_the_disk)
     with pytest.raises(UserError, match=r"disk full while writing .*train-00002\.safetensors .*MiB free"):
         cache(params)
     assert not list(root.glob("*.tmp"))
     assert not (root / fmt.shard_name("train", 2)).exists()
     assert [s.file for s in fmt.read_manifest(root).splits["train"].shards] == [fmt.shard_name("train", i) for i in (0, 1)]
 
-    monkeypatch.setattr(fmt.os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "fsync", real_fsync)
     cache(params)
     assert fmt.read_manifest(root).complete and len(CacheReader(root, "train")) == SIZES["train"]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from cache_helpers import REPO, save_regenerated, write_params
 
+from dominospec import files
 from dominospec.cache import format as fmt
 from dominospec.cache.reader import CacheReader
 from dominospec.cache.stage import cache
@@ -67,7 +68,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_targets, lo
     listed = _listed_shards(root)
     assert 1 <= len(listed) and not manifest.complete
     for shard in listed:
-        assert fmt.sha256_file(root / shard.file) == shard.sha256
+        assert files.sha256_file(root / shard.file) == shard.sha256
     with pytest.raises(fmt.CacheError, match="incomplete"):
         CacheReader(root, "train" if not manifest.splits["train"].complete else "val")
 

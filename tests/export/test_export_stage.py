@@ -16,7 +16,7 @@ from dominospec.cli import UserError, stage_main
 from dominospec.config import load_params
 from dominospec.export import check_export_dir
 from dominospec.export import stage as export_stage
-from dominospec.export.hf import file_sha256
+from dominospec.files import sha256_file
 from dominospec.export.stage import export
 
 
@@ -32,7 +32,7 @@ def test_outputs_and_model_card(exported, tiny_target_dir):
               f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens 4")
     assert launch in card.splitlines()
     assert "make serve" in card
-    sha = file_sha256(draft / "model.safetensors")
+    sha = sha256_file(draft / "model.safetensors")
     assert sha in card
     for row in ("| val_acceptance_length | 2.346 |", "| conversations_read | 17 |", "| skipped.empty | 2 |",
                 "| tokens | 4321 |", "| gru_hidden_dim (G) | 20 |", "| target_layer_ids | [1, 3] |"):
@@ -136,7 +136,7 @@ def test_eval_metrics_appear_only_for_these_weights(tmp_path, tiny_target_dir, t
     export(params)
     card = (Path(params.paths.draft) / "README.md").read_text()
     assert "was not measured on these weights" in card and "1.875" not in card
-    sha = file_sha256(Path(params.paths.draft) / "model.safetensors")
+    sha = sha256_file(Path(params.paths.draft) / "model.safetensors")
     eval_file.write_text(json.dumps({"draft_sha256": sha, "sharegpt": {"speedup": 1.875}}))
     export(params)
     assert "| sharegpt.speedup | 1.875 |" in (Path(params.paths.draft) / "README.md").read_text()

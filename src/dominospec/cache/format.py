@@ -24,11 +24,8 @@ a shard holds for the same inputs must bump FORMAT_VERSION.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -36,11 +33,11 @@ from typing import Any, Iterable
 import torch
 
 from dominospec.cli import UserError
+from dominospec.files import TEMP_SUFFIX, write_atomic
 
 FORMAT_VERSION = 2  # bump whenever a shard or the manifest changes shape or meaning (2: shard seconds)
 MANIFEST_NAME = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
 SPLITS = ("train", "val")
 
 # tensor names inside a shard
@@ -156,46 +153,6 @@ def data_fingerprint(meta_json: bytes, split_sizes: dict[str, int], content: dic
     h.update(hashlib.sha256(meta_json).digest())
     h.update(json.dumps({"split_sizes": split_sizes, "content": content}, sort_keys=True).encode())
     return h.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """File -> sha256 hex digest, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via `path.tmp` + fsync + rename; on any OSError no temp file is left.
-
-    A full disk (ENOSPC, EDQUOT) becomes a `UserError` naming the file and the free space.
-    """
-    tmp = path.with_name(path.name + TEMP_SUFFIX)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = free_bytes(path.parent)
-            raise UserError(
-                f"disk full while writing {path} ({len(data) / 2**20:.1f} MiB; "
-                f"{free / 2**20:.1f} MiB free): free some space and re-run, the cache resumes"
-            ) from err
-        raise
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Union
 import torch
 from safetensors import safe_open
 
+from dominospec import files
 from dominospec.cache import format as fmt
 from dominospec.target import TargetIdentity
 
@@ -90,7 +91,7 @@ class CacheReader:
         shard = self._shards[k]
         path = self.root / shard.file
         try:
-            digest = fmt.sha256_file(path)
+            digest = files.sha256_file(path)
         except FileNotFoundError:
             raise fmt.CacheError(f"{path}: shard listed in the manifest is missing") from None
         if digest != shard.sha256:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dominospec import files
 from dominospec.cache import format as fmt
 from dominospec.cache.features import resolve_layer_ids
 from dominospec.cache.writer import (
@@ -199,4 +200,4 @@ def write_metrics(path: Path, root: Path, manifest: fmt.Manifest, run: dict[str,
         "target": manifest.target,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fmt.write_atomic(path, (json.dumps(metrics, indent=2) + "\n").encode())
+    files.write_atomic(path, (json.dumps(metrics, indent=2) + "\n").encode())

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from dominospec import files
 from dominospec.cache import format as fmt
 from dominospec.cache.features import target_hidden
 from dominospec.cli import UserError
@@ -61,7 +62,7 @@ def check_disk(root: Path, tokens: int, bytes_per_token: int, reclaimable: int =
     Free space is that of root's filesystem plus `reclaimable` bytes about to be deleted.
     """
     need = tokens * bytes_per_token
-    free = fmt.free_bytes(root) + reclaimable
+    free = files.free_bytes(root) + reclaimable
     if need * DISK_MARGIN + DISK_RESERVE > free:
         raise UserError(
             f"not enough disk for the cache at {root}: {tokens:,} tokens x {bytes_per_token:,} B/token "
@@ -116,7 +117,7 @@ def _verified_prefix(root: Path, shards: Sequence[fmt.ShardInfo]) -> list[fmt.Sh
     kept = []
     for shard in shards:
         path = root / shard.file
-        if not path.is_file() or fmt.sha256_file(path) != shard.sha256:
+        if not path.is_file() or files.sha256_file(path) != shard.sha256:
             break
         kept.append(shard)
     return kept
@@ -182,7 +183,7 @@ def write_shard(
     """Shard tensors (computed in `seconds`) -> `root/<split>-<index>.safetensors` (temp + rename) -> ShardInfo."""
     name = fmt.shard_name(split, index)
     data = safetensors_bytes(tensors, metadata={"format_version": str(fmt.FORMAT_VERSION)})
-    fmt.write_atomic(root / name, data)
+    files.write_atomic(root / name, data)
     return fmt.ShardInfo(
         file=name,
         sequences=tensors[fmt.OFFSETS].shape[0] - 1,

@@ -19,8 +19,6 @@ the output path holds either the previous complete dataset or the new one, never
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
 
 from dominospec.cli import UserError
 from dominospec.data.conversations import SPLITS
+from dominospec.files import replace_path, temp_sibling
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -83,37 +82,3 @@ def read_dataset(path: str | Path) -> tuple[DatasetDict, dict[str, Any]]:
     if not isinstance(splits, DatasetDict) or set(splits) != set(SPLITS):
         raise UserError(f"{path}: expected splits {list(SPLITS)}")
     return splits, meta
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-    """obj -> JSON file at `path`, via a temporary file and a rename (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def temp_sibling(path: Path) -> Path:
-    """A temporary path next to `path`, cleared first (a leftover from a killed run is removed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    _remove(tmp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return tmp
-
-
-def replace_path(tmp: Path, path: Path) -> None:
-    """Move the finished `tmp` to `path`, replacing what was there; `path` is never partial."""
-    old = path.with_name(f".{path.name}.old")
-    _remove(old)
-    if path.exists():
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()

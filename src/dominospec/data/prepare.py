@@ -21,7 +21,8 @@ from dominospec.cli import UserError
 from dominospec.config import Params, PrepareParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.conversations import SPLITS, assign_split, normalize_records
-from dominospec.data.dataset import FEATURES, FORMAT_VERSION, write_dataset, write_json
+from dominospec.data.dataset import FEATURES, FORMAT_VERSION, write_dataset
+from dominospec.files import write_json
 from dominospec.data.sources import read_source
 from dominospec.data.target_meta import identity_without_weights, load_tokenizer
 from dominospec.target import mask_token_candidates

@@ -32,18 +32,10 @@ from tqdm import tqdm
 from dominospec.cli import UserError
 from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
-from dominospec.data.dataset import (
-    FEATURES,
-    META_FILE,
-    empty_split,
-    read_dataset,
-    replace_path,
-    temp_sibling,
-    write_dataset,
-    write_json,
-)
+from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.data.journal import Journal
 from dominospec.data.replies import rewrite_conversations
+from dominospec.files import replace_path, temp_sibling, write_json
 from dominospec.target import Target, load_target
 
 

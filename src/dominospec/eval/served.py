@@ -61,7 +61,7 @@ TAU_DEFINITION = "pooled: sum meta_info.completion_tokens / sum meta_info.spec_v
 def evaluate_server(params: Params, url: str, out: Optional[str] = None, prompts: Optional[str] = None,
                     concurrency: Optional[int] = None) -> dict[str, Any]:
     """Params + server URL (+ prompts JSONL, output path, concurrency) -> the serve_eval.json document (written)."""
-    from dominospec.data.dataset import write_json
+    from dominospec.files import write_json
 
     cfg = params.evaluate
     top = concurrency if concurrency is not None else cfg.server_concurrency

@@ -44,7 +44,7 @@ def sampling_from(cfg: EvaluateParams) -> Sampling:
 
 def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] = None) -> dict[str, Any]:
     """Params (+ optional prompts JSONL, output path) -> the eval.json document (also written)."""
-    from dominospec.data.dataset import write_json
+    from dominospec.files import write_json
     from dominospec.target import load_target
 
     cfg = params.evaluate

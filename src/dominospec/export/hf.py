@@ -7,7 +7,6 @@ tensors, cast to bf16; `write_draft_dir` writes both and returns the weights' sh
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dominospec.files import sha256_file
 from dominospec.export.contract import (
     ARCHITECTURES, CONFIG_FILE, DFLASH_KEYS, DOMINO, DOMINO_FIXED, DOMINO_SHAPE_KEYS, DTYPE, FORMAT_VERSION,
     MODEL_TYPE, WEIGHTS_FILE, expected_tensors, profile,
@@ -63,13 +63,4 @@ def write_draft_dir(directory: Path, exported_config: dict[str, Any], tensors: d
     save_file({name: t.cpu() for name, t in tensors.items()}, weights, metadata={"format": "pt"})
     # safetensors creates 0600; a served model must be as readable as its config (umask applied)
     weights.chmod((directory / CONFIG_FILE).stat().st_mode & 0o777)
-    return file_sha256(weights)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file, read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(weights)

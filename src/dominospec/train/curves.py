@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -11,6 +10,7 @@ from typing import Any, Optional
 import lightning as L
 
 from dominospec.config import Params
+from dominospec.files import write_json
 
 CURVE_KEYS = ("train/loss", "train/loss_base", "train/loss_final", "train/lambda", "train/lr")
 
@@ -67,14 +67,6 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    tmp.replace(path)
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """doc -> pretty JSON at path (atomic)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
 
 
