@@ -28,9 +28,8 @@ def test_outputs_and_model_card(exported, tiny_target_dir):
     mode = lambda name: (draft / name).stat().st_mode & 0o777  # noqa: E731
     assert mode("model.safetensors") == mode("config.json")  # as readable as the rest
     card = (draft / "README.md").read_text()
-    launch = (f"python -m sglang.launch_server --model-path {tiny_target_dir} --speculative-algorithm DFLASH "
-              f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens 4")
-    assert launch in card.splitlines()
+    # fp32 target: the card says why SGLang cannot serve it instead of showing a launch that fails
+    assert "SGLang cannot serve it as configured: target.dtype: SGLang's Domino runtime needs bfloat16" in card
     assert "make serve" in card
     sha = sha256_file(draft / "model.safetensors")
     assert sha in card
@@ -157,3 +156,21 @@ def test_weights_are_the_checkpoint_rounded_to_bf16(exported):
     for name, tensor in exported_tensors.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, checkpoint[name].to(torch.bfloat16)), name
+
+
+def test_model_card_sglang_launch_is_the_one_make_serve_runs(exported, tiny_target_dir):
+    """A bf16 HF target: the card shows exactly the argv `dominospec serve --backend sglang` executes."""
+    import dataclasses
+    import json
+
+    from dominospec.export.card import sglang_lines
+
+    params = dataclasses.replace(exported, target=dataclasses.replace(exported.target, dtype="bfloat16"))
+    config = json.loads((Path(exported.paths.draft) / "config.json").read_text())
+    draft, serve = exported.paths.draft, exported.serve
+    assert sglang_lines(params, config)[1] == (
+        f"python -m sglang.launch_server --model-path {tiny_target_dir} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens 4 "
+        f"--host {serve.host} --port {serve.port} --dtype bfloat16"
+        + "".join(f" {a}" for a in serve.sglang_args)
+    )

@@ -15,27 +15,23 @@ from typing import Any, Optional
 
 import yaml
 
-from dominospec.config import Params, TargetParams
+from dominospec.config import Params
 from dominospec.export.contract import DOMINO, FORMAT_VERSION, profile
-from dominospec.target import resolve_source
 
 MAX_LIST = 32  # longer lists are summarised by their length
 
 
-def sglang_command(target_model_path: str, draft_path: str, block_size: int) -> str:
-    """-> the one-line SGLang launch for this draft (DESIGN.md §5)."""
-    return (
-        f"python -m sglang.launch_server --model-path {target_model_path} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {draft_path} --speculative-num-draft-tokens {block_size}"
-    )
+def sglang_lines(params: Params, exported: dict[str, Any]) -> list[str]:
+    """-> the card's SGLang launch (built by `dominospec.serve.sglang`, as `make serve` runs it), or why
+    SGLang cannot serve this target as configured."""
+    from dominospec.cli import UserError
+    from dominospec.serve.sglang import launch_argv, printable
 
-
-def target_model_path(target: TargetParams) -> str:
-    """Target params -> what SGLang's --model-path takes: the hub id, the local directory or the GGUF file."""
-    source, gguf_file, is_hub = resolve_source(target)
-    if is_hub:
-        return target.model
-    return str(Path(source) / gguf_file) if gguf_file else source
+    try:
+        argv = launch_argv(params, exported, params.serve.host, params.serve.port)
+    except UserError as err:
+        return [f"SGLang cannot serve it as configured: {err}.", ""]
+    return ["```bash", printable(["python", *argv[1:]]), "```", ""]
 
 
 def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) -> str:
@@ -89,12 +85,9 @@ def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) ->
         *_eval_section(metrics / "eval.json", weights_sha256),
         "## Serving",
         "",
-        "With SGLang (CUDA, bf16 weights, greedy drafting):",
+        "With SGLang (CUDA; `make serve` runs this where SGLang and a GPU are present):",
         "",
-        "```bash",
-        sglang_command(target_model_path(params.target), params.paths.draft, block),
-        "```",
-        "",
+        *sglang_lines(params, exported),
     ]
     if domino:
         lines += ["Add `--speculative-domino-candidate-pool-size 0` to score the correction on the full vocabulary.", ""]

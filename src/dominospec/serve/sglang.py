@@ -79,9 +79,13 @@ def sglang_target(params: Params) -> str:
 
 def sglang_command(params: Params, host: str, port: int, api_key: Optional[str] = None) -> list[str]:
     """Params + address (+ bearer key) -> the argv that launches SGLang on the exported draft."""
+    return launch_argv(params, read_draft_config(params.paths.draft), host, port, api_key)
+
+
+def launch_argv(params: Params, draft_config: dict, host: str, port: int, api_key: Optional[str] = None) -> list[str]:
+    """Params + the draft's exported config.json + address -> SGLang's argv (UserError when SGLang cannot serve it)."""
     target = params.target
     model_path = sglang_target(params)
-    draft_config = read_draft_config(params.paths.draft)
     block_size = draft_block_size(draft_config)
     if (draft_config.get("dflash_config") or {}).get("projector_type") and target.dtype != "bfloat16":
         raise UserError(f"target.dtype: SGLang's Domino runtime needs bfloat16, got {target.dtype}")

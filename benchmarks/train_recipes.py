@@ -1,0 +1,120 @@
+"""Train the draft under several recipes in one process and print a table of validation τ.
+
+For a GPU machine without MLflow or DVC: it calls the train stage's pieces directly
+(`build_training` + a Lightning Trainer without logger or checkpoints), with `train.features:
+online` (target features computed in the step, no cache on disk). Each recipe overrides
+`train.*` keys of the params file; the last one may be sized to a time budget.
+
+    python benchmarks/train_recipes.py --params P.yaml --recipes cpu-default,lr-2e-3 \
+        [--long-seconds 470 --save-draft OUT/draft]
+
+Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU default):
+  cpu-default         the embedded default's training budget
+  lr-2e-3             the same at lr 2e-3
+  init-target         the same, the draft layer initialised from the target layer after the
+                      deepest feature layer (fc selects that feature; an experiment, not a param)
+  init-target-lr-2e-3 both
+  gpu-scale           8 sequences x 128 anchors over 6,000 conversations, as many steps as
+                      --long-seconds allows (measured on a 40-step probe first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+import torch
+
+RECIPES: dict[str, dict[str, Any]] = {
+    "cpu-default": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250),
+    "lr-2e-3": dict(max_steps=600, batch_size=4, num_anchors=32, lr=2e-3, limit=250),
+    "init-target": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, init=True),
+    "init-target-lr-2e-3": dict(max_steps=600, batch_size=4, num_anchors=32, lr=2e-3, limit=250, init=True),
+    "gpu-scale": dict(max_steps=None, batch_size=8, num_anchors=128, lr=6e-4, limit=6000),
+}
+
+
+def init_from_target(setup: Any) -> None:
+    """Draft layer 0 <- the target layer that consumes the deepest cached feature; fc selects
+    that feature, hidden_norm takes that layer's input norm, the final norm the target's."""
+    draft, target = setup.module.draft, setup.target.model.model
+    source = target.layers[setup.module.layer_ids[-1] + 1]
+    layer = draft.layers[0]
+    H = draft.config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).weight.copy_(getattr(source.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+        layer.input_layernorm.weight.copy_(source.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+        draft.norm.weight.copy_(target.norm.weight)
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, -H:] = torch.eye(H)
+        draft.hidden_norm.weight.copy_(source.input_layernorm.weight)
+
+
+def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str) -> tuple[dict[str, Any], Any, float]:
+    """-> (validation summary, trained setup, seconds of fit)."""
+    import lightning as L
+
+    from dominospec.train.build import build_training
+
+    train = dataclasses.replace(params.train, features="online", max_steps=steps, batch_size=recipe["batch_size"],
+                                num_anchors=recipe["num_anchors"], lr=recipe["lr"], val_every_steps=steps,
+                                checkpoint_every_steps=10**9)
+    run_params = dataclasses.replace(params, train=train)
+    L.seed_everything(train.seed, workers=True)
+    setup = build_training(run_params, train_limit=recipe["limit"])
+    if recipe.get("init"):
+        init_from_target(setup)
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator=accelerator, devices=1, precision=train.precision,
+                        gradient_clip_val=train.grad_clip, val_check_interval=steps, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        use_distributed_sampler=False, enable_model_summary=False)
+    started = time.perf_counter()
+    trainer.fit(setup.module, datamodule=setup.datamodule)
+    return setup.module.final_validation(), setup, time.perf_counter() - started
+
+
+def main() -> None:
+    from dominospec.config import load_params
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--recipes", default="cpu-default,lr-2e-3,init-target,init-target-lr-2e-3")
+    parser.add_argument("--long-seconds", type=float, default=300.0, help="time budget of a recipe without max_steps")
+    parser.add_argument("--save-draft", help="save the last recipe's draft here (bf16, shards <= 15 MB)")
+    parser.add_argument("--accelerator", default="auto")
+    args = parser.parse_args()
+    torch.set_float32_matmul_precision("high")
+    params = load_params(args.params)
+    rows = []
+    for name in args.recipes.split(","):
+        recipe = RECIPES[name]
+        steps = recipe["max_steps"]
+        if steps is None:  # size the run to the budget from a short probe
+            _, _, probe_s = train_once(params, 40, recipe, args.accelerator)
+            steps = int(min(20_000, args.long_seconds / (probe_s / 40)))
+        summary, setup, seconds = train_once(params, steps, recipe, args.accelerator)
+        row = dict(recipe=name, steps=steps, seqs_x_anchors=f"{recipe['batch_size']}x{recipe['num_anchors']}",
+                   lr=recipe["lr"], conversations=recipe["limit"], fit_s=round(seconds, 1),
+                   tau=round(summary["acceptance_length"], 3), tau_head_off=round(summary["acceptance_length_base"], 3),
+                   accuracy_pos1_4=[round(a, 3) for a in summary["accuracy_by_position"][:4]],
+                   val_loss=round(summary["loss"], 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.save_draft:
+        setup.module.draft.to(torch.bfloat16).save_pretrained(args.save_draft, max_shard_size="15MB")
+    print("| recipe | steps | seqs x anchors | lr | conversations | fit s | val τ | val τ head off | accuracy pos 1-4 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['recipe']} | {r['steps']} | {r['seqs_x_anchors']} | {r['lr']} | {r['conversations']} | "
+              f"{r['fit_s']} | {r['tau']} | {r['tau_head_off']} | {r['accuracy_pos1_4']} |")
+
+
+if __name__ == "__main__":
+    main()
