@@ -30,6 +30,7 @@ def test_outputs_and_model_card(exported, tiny_target_dir):
     card = (draft / "README.md").read_text()
     # fp32 target: the card says why SGLang cannot serve it instead of showing a launch that fails
     assert "SGLang cannot serve it as configured: target.dtype: SGLang's Domino runtime needs bfloat16" in card
+    assert "--speculative-domino-candidate-pool-size" not in card  # no flag advice for a launch that cannot run
     assert "make serve" in card
     sha = sha256_file(draft / "model.safetensors")
     assert sha in card

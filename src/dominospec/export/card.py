@@ -41,6 +41,7 @@ def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) ->
     domino = profile(exported) == DOMINO
     kind = "Domino (DFlash backbone + GRU logit correction)" if domino else "DFlash (block-parallel, no Domino head)"
     block = exported["block_size"]
+    launch = sglang_lines(params, exported)
     lines = [
         "---",
         f"base_model: {json.dumps(target['name'])}",
@@ -87,10 +88,11 @@ def model_card(params: Params, exported: dict[str, Any], weights_sha256: str) ->
         "",
         "With SGLang (CUDA; `make serve` runs this where SGLang and a GPU are present):",
         "",
-        *sglang_lines(params, exported),
+        *launch,
     ]
-    if domino:
-        lines += ["Add `--speculative-domino-candidate-pool-size 0` to score the correction on the full vocabulary.", ""]
+    if domino and launch[0].startswith("```"):
+        lines += ["Add `--speculative-domino-candidate-pool-size 0` (`serve.sglang_args`) to score the correction "
+                  "on the full vocabulary.", ""]
     lines += [
         "With the built-in server (any machine, CPU included; same API subset):",
         "",
