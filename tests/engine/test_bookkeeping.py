@@ -20,24 +20,6 @@ from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2, max_positions=64)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return tiny_draft(target, block_size=8, seed=8)
-
-
 def record_caches(monkeypatch) -> dict:
     """Make the engine's caches inspectable after `generate` returns."""
     seen = {}

@@ -15,15 +15,6 @@ from engine_helpers import random_prompts, tiny_draft, tiny_target
 from dominospec.engine import SpecEngine
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest single-threaded (no thread hand-off per small op)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 CASES = [  # arch, vocab, dtype, block sizes
     ("llama", 8, torch.float64, (2, 4, 8)),
     ("qwen3", 8, torch.float32, (2, 4, 8)),

@@ -22,14 +22,6 @@ VOCAB, PROMPT = 8, [3, 5, 4, 6]
 SAMPLES, BROKEN_SAMPLES = 2000, 1000  # broken rules miss by p < 1e-30 at 1500 samples
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup():
     target = tiny_target("llama", vocab=VOCAB, dtype=torch.float64, scale=0.25, layers=2, seed=4)

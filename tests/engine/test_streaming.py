@@ -9,28 +9,9 @@ Run: python -m pytest tests/engine/test_streaming.py -q
 """
 
 import pytest
-import torch
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import random_prompts
 
 from dominospec.engine import Sampling, SpecEngine
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2, max_positions=64)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return tiny_draft(target, block_size=8, seed=8)
 
 
 def streamed(engine: SpecEngine, prompt, max_new_tokens, **kwargs):

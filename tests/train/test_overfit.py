@@ -7,7 +7,6 @@ mis-alignment) it is scored near 1 against the right labels: the metric exposes 
 Run: python -m pytest tests/train/test_overfit.py -q
 """
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -15,15 +14,6 @@ from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 from dominospec.train import objective as O
 
 V, H, BK, LAYER_IDS, MASK = 64, 32, 4, [0, 1], 63
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and immune to oversubscription on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_target() -> LlamaForCausalLM:
