@@ -79,6 +79,7 @@ def sglang_target(params: Params) -> str:
 
 def sglang_command(params: Params, host: str, port: int, api_key: Optional[str] = None) -> list[str]:
     """Params + address (+ bearer key) -> the argv that launches SGLang on the exported draft."""
+    sglang_target(params)  # a target SGLang cannot load is refused before the draft is looked for
     return launch_argv(params, read_draft_config(params.paths.draft), host, port, api_key)
 
 
