@@ -18,6 +18,7 @@ from dominospec.cli import UserError, main
 from dominospec.config import load_params
 from dominospec.eval.prompts import humaneval_conversations, jsonl_conversations
 from dominospec.eval.stage import evaluate
+from dominospec.files import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
@@ -121,6 +122,7 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert {k: report[k] for k in ("device", "dtype", "block_size", "temperature", "max_new_tokens")} == {
         "device": "cpu", "dtype": "float32", "block_size": 4, "temperature": 0.0, "max_new_tokens": 12}
     assert report["draft_dir"] == str(Path(params.paths.checkpoints) / "final")
+    assert report["draft_sha256"] == sha256_file(Path(report["draft_dir"]) / "model.safetensors")
 
     plots = Path(params.paths.plots)
     rows = (plots / "eval_acceptance" / "mine.csv").read_text().splitlines()

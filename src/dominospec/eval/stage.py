@@ -44,7 +44,7 @@ def sampling_from(cfg: EvaluateParams) -> Sampling:
 
 def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] = None) -> dict[str, Any]:
     """Params (+ optional prompts JSONL, output path) -> the eval.json document (also written)."""
-    from dominospec.files import write_json
+    from dominospec.files import sha256_file, write_json
     from dominospec.target import load_target
 
     cfg = params.evaluate
@@ -89,6 +89,7 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
         "max_new_tokens": cfg.max_new_tokens,
         "num_threads": torch.get_num_threads(),
         "draft_dir": str(source),
+        "draft_sha256": sha256_file(Path(source) / "model.safetensors"),  # which weights: the model card checks it
         "target": target.identity.name,
         "tau": TAU_DEFINITION,
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},

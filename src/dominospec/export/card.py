@@ -114,9 +114,11 @@ def _eval_section(path: Path, weights_sha256: str) -> list[str]:
     """eval.json -> its section when it was measured on these weights, else a one-line note."""
     doc = _read_json(path)
     if doc is None:
-        return ["Not evaluated yet: run the evaluate stage (`dvc repro`).", ""]
+        return ["Not evaluated yet: the evaluate stage runs on this export after it is written (`dvc repro`) "
+                f"and records these weights' sha256 in `{path}` as `draft_sha256`.", ""]
     if doc.get("draft_sha256") != weights_sha256:
-        return [f"`{path.name}` was not measured on these weights: re-run the evaluate stage.", ""]
+        return [f"`{path}` was not measured on these weights (its `draft_sha256` differs): the evaluate stage, "
+                "which runs on this export after it is written, replaces it.", ""]
     return _metrics_section(path)
 
 
