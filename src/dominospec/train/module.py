@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dominospec.config import TrainParams
 from dominospec.models.domino import DFlashDraftModel
+from dominospec.train.walk import WalkStats, walk_sequence
 from dominospec.train.objective import (
     curriculum_lambda,
     domino_loss,
@@ -76,6 +77,7 @@ class DraftLitModule(L.LightningModule):
         self.val_head = BlockAccuracy(draft.config.block_size)
         self.val_base = BlockAccuracy(draft.config.block_size)
         self.val_loss_sum, self.val_batches = 0.0, 0
+        self.walk_head, self.walk_base = WalkStats(), WalkStats()
         self.last_summary: dict[str, Any] = {}
 
     # ---- frozen target parts -------------------------------------------------------------------
@@ -136,6 +138,7 @@ class DraftLitModule(L.LightningModule):
         self.val_head = BlockAccuracy(self.draft.config.block_size)
         self.val_base = BlockAccuracy(self.draft.config.block_size)
         self.val_loss_sum, self.val_batches = 0.0, 0
+        self.walk_head, self.walk_base = WalkStats(), WalkStats()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         feats = self.features(batch)
@@ -146,6 +149,21 @@ class DraftLitModule(L.LightningModule):
         self.val_head.update(final if final is not None else base, blocks.labels, blocks.label_mask)
         self.val_loss_sum += float(loss_final)
         self.val_batches += 1
+        self._walk(batch, feats)
+
+    def _walk(self, batch: dict[str, torch.Tensor], feats: torch.Tensor) -> None:
+        """Engine-faithful τ: walk each sequence's first reply round by round (train/walk.py),
+        K = B - 1 drafts per round as the engine verifies by default, head on and off."""
+        K = self.draft.config.block_size - 1
+        heads = (True, False) if self.draft.config.use_domino_head else (False,)
+        for b in range(batch["input_ids"].shape[0]):
+            n = int(batch["lengths"][b])
+            ids, mask = batch["input_ids"][b, :n].to(self.device), batch["loss_mask"][b, :n]
+            for head in heads:
+                stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head)
+                (self.walk_head if head else self.walk_base).merge(stats)
+        if not self.draft.config.use_domino_head:
+            self.walk_head = self.walk_base
 
     def on_validation_epoch_end(self) -> None:
         head, base = self.val_head, self.val_base
@@ -153,16 +171,24 @@ class DraftLitModule(L.LightningModule):
             for acc in (head, base):
                 acc.right = self.all_gather(acc.right.to(self.device)).sum(0).cpu().reshape(-1)
                 acc.counted = self.all_gather(acc.counted.to(self.device)).sum(0).cpu().reshape(-1)
+            walks = [self.walk_head] + ([self.walk_base] if self.walk_base is not self.walk_head else [])
+            for walk in walks:  # pooled τ needs only the totals
+                counts = torch.tensor([walk.emitted, walk.rounds], dtype=torch.float64, device=self.device)
+                walk.emitted, walk.rounds = (int(x) for x in self.all_gather(counts).reshape(-1, 2).sum(0).tolist())
         self.last_summary = {
             "acceptance_length": head.acceptance_length(),
             "acceptance_length_base": base.acceptance_length(),
             "accuracy_by_position": head.prefix_accuracy(),
             "accuracy_by_position_base": base.prefix_accuracy(),
             "loss": self.val_loss_sum / max(1, self.val_batches),
+            "walk": self.walk_head.as_dict(),
+            "walk_base": self.walk_base.as_dict(),
         }
         self.log("val/acceptance_length", self.last_summary["acceptance_length"], sync_dist=False)
         self.log("val/acceptance_length_base", self.last_summary["acceptance_length_base"], sync_dist=False)
         self.log("val/loss", self.last_summary["loss"], sync_dist=True)
+        self.log("val/walk_acceptance_length", self.walk_head.acceptance_length, sync_dist=False)
+        self.log("val/walk_acceptance_length_base", self.walk_base.acceptance_length, sync_dist=False)
         for k, (a, b) in enumerate(zip(head.prefix_accuracy(), base.prefix_accuracy())):
             self.log(f"val/accuracy_pos{k + 1}", a, sync_dist=False)
             self.log(f"val/accuracy_base_pos{k + 1}", b, sync_dist=False)

@@ -1,0 +1,150 @@
+"""Validation τ the way the engine experiences it: walk each reply anchor by anchor.
+
+Teacher-forced acceptance at *uniform random* anchors over-weights easy stretches (a loop offers
+many anchors that all accept a lot) and so overstates τ. The engine instead starts a round at the
+first reply token, accepts n drafts, emits n + 1 tokens and starts the next round there. For greedy
+drafting the teacher-forced chain equals the drafted one as long as it is right, so walking the
+same way over a reply the target itself wrote gives the engine's τ, up to feature numerics.
+
+For one reply occupying positions s..e-1 of a sequence (loss_mask True there):
+
+    a = s                                   # x_start: the reply's first token (from the prefill)
+    while a < e - 1:                        # positions a+1 .. e-1 remain to be emitted
+        room = e - 1 - a
+        k = min(K, room - 1)                # as the engine: the bonus fills the last slot
+        n = leading correct drafts at anchor a, at most k
+        emitted += n + 1; rounds += 1; a += n + 1
+
+τ = Σ emitted ÷ Σ rounds over all replies (pooled, DESIGN §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dominospec.train.objective import draft_block_logits, make_blocks
+
+
+def reply_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """loss_mask [T] bool -> [(s, e)], the maximal runs of supervised positions s..e-1."""
+    mask = loss_mask.bool().cpu().tolist()
+    spans, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def leading_accepted(correct: torch.Tensor, num_draft: int) -> torch.Tensor:
+    """correct [A, Bk] bool (slot j right at anchor a) -> accepted drafts [A], the number of
+    leading right slots among the first `num_draft`."""
+    return correct[:, :num_draft].long().cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
+class WalkStats:
+    """Pooled engine-walk counts; `acceptance_length` is τ, bonus included."""
+
+    emitted: int = 0
+    rounds: int = 0
+    per_reply: list[float] = field(default_factory=list)  # τ of each reply (for a standard error)
+    position_accepted: list[int] = field(default_factory=list)  # [K] rounds whose draft k+1 was accepted
+    position_proposed: list[int] = field(default_factory=list)  # [K] rounds that proposed draft k+1
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.rounds if self.rounds else float("nan")
+
+    def standard_error(self) -> float:
+        """Standard error of the mean of per-reply τ (nan with fewer than two replies)."""
+        n = len(self.per_reply)
+        if n < 2:
+            return float("nan")
+        t = torch.tensor(self.per_reply, dtype=torch.float64)
+        return float(t.std(unbiased=True) / n**0.5)
+
+    def merge(self, other: "WalkStats") -> None:
+        self.emitted += other.emitted
+        self.rounds += other.rounds
+        self.per_reply += other.per_reply
+        K = max(len(self.position_proposed), len(other.position_proposed))
+        pad = lambda xs: xs + [0] * (K - len(xs))  # noqa: E731
+        self.position_accepted = [a + b for a, b in zip(pad(self.position_accepted), pad(other.position_accepted))]
+        self.position_proposed = [a + b for a, b in zip(pad(self.position_proposed), pad(other.position_proposed))]
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_length": self.acceptance_length,
+            "acceptance_length_se": self.standard_error(),
+            "rounds": self.rounds,
+            "emitted": self.emitted,
+            "replies": len(self.per_reply),
+            "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)],
+        }
+
+
+def walk_reply(accepted: dict[int, int], start: int, end: int, num_draft: int) -> WalkStats:
+    """accepted {anchor a -> leading right drafts at a} over one reply s..e-1 -> its walk."""
+    stats = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
+    a = start
+    while a < end - 1:
+        room = end - 1 - a
+        k = min(num_draft, room - 1)  # the engine's K near the end: the bonus fills the last slot
+        n = min(accepted[a], k)
+        step = n + 1
+        stats.emitted += step
+        stats.rounds += 1
+        for j in range(k):
+            stats.position_proposed[j] += 1
+        for j in range(n):
+            stats.position_accepted[j] += 1
+        a += step
+    if stats.rounds:
+        stats.per_reply.append(stats.acceptance_length)
+    return stats
+
+
+@torch.no_grad()
+def walk_sequence(
+    draft, embed_tokens, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_features: torch.Tensor,
+    num_draft: int, head: bool = True, chunk: int = 64, first_reply_only: bool = True,
+) -> WalkStats:
+    """One sequence: input_ids / loss_mask [T], target_features [T, n*H] -> the engine walk over
+    each of its replies, drafting with the head (`head`) or from the base logits alone.
+
+    The draft is scored at every anchor a reply may start a round from (all at once, `chunk`
+    anchors per forward), then each reply is walked over those scores. `first_reply_only` walks
+    the first reply alone: the engine is evaluated on first-turn prompts."""
+    T = input_ids.shape[0]
+    spans = [(s, e) for s, e in reply_spans(loss_mask) if e - s >= 2]
+    spans = spans[:1] if first_reply_only else spans
+    total = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
+    if not spans:
+        return total
+    anchors = torch.cat([torch.arange(s, e - 1) for s, e in spans])  # every possible x_start
+    # A label counts only inside its own reply: mask positions outside the reply spans.
+    supervised = torch.zeros(T, dtype=torch.bool)
+    for s, e in spans:
+        supervised[s:e] = True
+    cfg = draft.config
+    accepted: dict[int, int] = {}
+    ids, mask = input_ids[None], supervised[None].to(input_ids.device)
+    feats = target_features[None]
+    for part in anchors.split(chunk):
+        blocks = make_blocks(ids, mask, 0, cfg.block_size, cfg.mask_token_id, anchors=[part.to(input_ids.device)])
+        base, final = draft_block_logits(draft, embed_tokens, lm_head, feats, blocks)
+        logits = final if (head and final is not None) else base  # [1, N, Bk, V]
+        correct = (logits[0].argmax(-1) == blocks.labels[0]) & blocks.label_mask[0]  # [N, Bk]
+        for a, n in zip(part.tolist(), leading_accepted(correct, num_draft).tolist()):
+            accepted[a] = n
+    for s, e in spans:
+        total.merge(walk_reply(accepted, s, e, num_draft))
+    return total
+
+
+__all__ = ["WalkStats", "reply_spans", "leading_accepted", "walk_reply", "walk_sequence"]
