@@ -78,3 +78,14 @@ def target_hidden(
         for handle in handles:
             handle.remove()
     return torch.cat([outputs[l] for l in layer_ids], dim=-1)  # [B, T, n*H]
+
+
+@torch.inference_mode()
+def target_hidden_and_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T], attention_mask [B, T] -> (target_hidden [B, T, n*H], logits [B, T, V]):
+    the whole forward, for distillation; logits[:, t] is the target's next-token prediction after x[t]."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
+    hidden = torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1)  # [B, T, n*H]
+    return hidden, out.logits

@@ -97,6 +97,7 @@ def _feature_source(params: Params, target: Target) -> tuple[list[int], int, str
 def build_training(params: Params, train_limit: Optional[int] = None) -> TrainingSetup:
     """Params -> TrainingSetup (loads the target once; its weights stay frozen)."""
     from dominospec.train.datamodule import DraftDataModule
+    from dominospec.train.init import init_from_target
     from dominospec.train.module import DraftLitModule
 
     # On CPU: Lightning moves the module's frozen buffers to each rank's device, and the online
@@ -105,6 +106,11 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     layer_ids, mask_token_id, fingerprint = _feature_source(params, target)
     config = draft_config(params.draft, target, layer_ids, mask_token_id)
     draft = DFlashDraftModel(config)
+    if params.train.loss == "kd" and params.train.features != "online":
+        raise UserError("train.loss: kd distils the target's logits, which only online features compute: "
+                        "set train.features: online (or train.loss: ce)")
+    if params.train.init_from_target:
+        init_from_target(draft, target.model, layer_ids)
     lm_head = target.lm_head
     if getattr(lm_head, "bias", None) is not None:
         raise UserError("targets whose LM head has a bias are not supported")

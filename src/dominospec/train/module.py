@@ -25,6 +25,7 @@ from dominospec.train.objective import (
     draft_block_logits,
     make_blocks,
     position_weights,
+    teacher_block_logits,
 )
 
 
@@ -96,12 +97,26 @@ class DraftLitModule(L.LightningModule):
             return batch["target_hidden"]
         from dominospec.cache.features import target_hidden
 
+        return target_hidden(self._target(), batch["input_ids"], self._attention_mask(batch), self.layer_ids).clone()
+
+    def features_and_teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch -> (target features [B, T, n*H], target logits [B, T, V]): one whole target
+        forward, for `train.loss: kd` (online mode only)."""
+        from dominospec.cache.features import target_hidden_and_logits
+
+        feats, logits = target_hidden_and_logits(self._target(), batch["input_ids"], self._attention_mask(batch),
+                                                 self.layer_ids)
+        return feats.clone(), logits.clone()
+
+    def _target(self) -> torch.nn.Module:
         target = self.online_target
         if target.device != self.device:
             target.to(self.device)
+        return target
+
+    def _attention_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         T = batch["input_ids"].shape[1]
-        attention_mask = (torch.arange(T, device=self.device)[None] < batch["lengths"][:, None].to(self.device)).long()
-        return target_hidden(target, batch["input_ids"], attention_mask, self.layer_ids).clone()
+        return (torch.arange(T, device=self.device)[None] < batch["lengths"][:, None].to(self.device)).long()
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -120,12 +135,18 @@ class DraftLitModule(L.LightningModule):
         return curriculum_lambda(self.global_step, self.trainer.max_steps, self.hp.lambda_decay_fraction)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        feats = self.features(batch)
-        blocks = self._blocks(batch, self._generator(self.global_step))
-        base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, _to(blocks, self.device))
+        teacher = None
+        if self.hp.loss == "kd":
+            feats, target_logits = self.features_and_teacher(batch)
+        else:
+            feats = self.features(batch)
+        blocks = _to(self._blocks(batch, self._generator(self.global_step)), self.device)
+        if self.hp.loss == "kd":
+            teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
+        base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
         lam = self.curriculum()
-        loss, loss_base, loss_final = domino_loss(base, final, blocks.labels.to(self.device),
-                                                  blocks.label_mask.to(self.device), self.slot_weights, lam)
+        loss, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights,
+                                                  lam, teacher)
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log("train/loss_base", loss_base, batch_size=bs)

@@ -212,6 +212,29 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Te
     return (w * ce).sum() / w.sum().clamp(min=1e-12)
 
 
+def soft_ce(
+    logits: torch.Tensor, teacher_logits: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Distillation: logits / teacher_logits [..., Bk, V] (the target's next-token logits at the
+    same label position), label_mask [..., Bk], w [Bk] -> scalar sum(w * H(p_t, q)) / sum(w),
+    the cross-entropy of the draft q against the target's distribution p_t (KL up to a constant)."""
+    V = logits.shape[-1]
+    p = torch.softmax(teacher_logits.reshape(-1, V).float(), dim=-1)
+    ce = -(p * torch.log_softmax(logits.reshape(-1, V).float(), dim=-1)).sum(-1).view(label_mask.shape)
+    w = weights.to(ce.device) * label_mask.float()
+    return (w * ce).sum() / w.sum().clamp(min=1e-12)
+
+
+def teacher_block_logits(target_logits: torch.Tensor, blocks: "BlockBatch") -> torch.Tensor:
+    """target_logits [B, T, V] -> [B, N, Bk, V]: for slot j of anchor a, the target's logits at
+    position a+j, i.e. its distribution over the slot's label x[a+1+j] (clamped in bounds; those
+    slots are masked)."""
+    B, T, V = target_logits.shape
+    _, N, Bk = blocks.positions.shape
+    pos = blocks.positions.clamp(max=T - 1).view(B, N * Bk, 1).expand(B, N * Bk, V)
+    return target_logits.gather(1, pos).view(B, N, Bk, V)
+
+
 def curriculum_lambda(step: int, total_steps: int, decay_fraction: float) -> float:
     """Optimizer step -> lam, linear from 1 at step 0 to 0 at decay_fraction * total_steps, then 0.
     decay_fraction = 0 disables the curriculum (lam = 0 throughout)."""
@@ -228,13 +251,20 @@ def domino_loss(
     label_mask: torch.Tensor,
     weights: torch.Tensor,
     lam: float,
+    teacher_logits: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (L, L_base, L_final) with L = (1 - lam) * L_final + lam * L_base. Without a head
-    (final_logits None) L = L_base = L_final. L_base depends on z only: no gradient into the head."""
-    loss_base = weighted_ce(base_logits, labels, label_mask, weights)
+    (final_logits None) L = L_base = L_final. L_base depends on z only: no gradient into the head.
+    With `teacher_logits` [..., Bk, V] both terms distil the target's distribution (`soft_ce`)
+    instead of the hard labels."""
+    if teacher_logits is None:
+        term = lambda logits: weighted_ce(logits, labels, label_mask, weights)  # noqa: E731
+    else:
+        term = lambda logits: soft_ce(logits, teacher_logits, label_mask, weights)  # noqa: E731
+    loss_base = term(base_logits)
     if final_logits is None:
         return loss_base, loss_base, loss_base
-    loss_final = weighted_ce(final_logits, labels, label_mask, weights)
+    loss_final = term(final_logits)
     return (1.0 - lam) * loss_final + lam * loss_base, loss_base, loss_final
 
 
@@ -299,6 +329,8 @@ __all__ = [
     "draft_block_logits",
     "position_weights",
     "weighted_ce",
+    "soft_ce",
+    "teacher_block_logits",
     "curriculum_lambda",
     "domino_loss",
     "accuracy_by_position",
