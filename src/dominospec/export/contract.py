@@ -13,6 +13,15 @@ Two profiles, picked by the trained draft's `use_domino_head`:
 Both: architectures ["DFlashDraftModel"], model_type "qwen3" + the Qwen3 fields, block_size > 1,
 num_target_layers, dtype bfloat16, untied, no auto_map, the target's identity; `model.safetensors`
 holds exactly `expected_tensors(config)`, all BF16, and nothing else (no embedding, no LM head).
+
+Which checks are SGLang's and which only ours (tests/sglang_code runs SGLang 0.5.23's own loader on
+broken exports): SGLang refuses a hidden_act other than silu, a missing head tensor, head tensors
+without projector_type "domino", emb_dim copies that differ, pure_draft_prefix_len != 1 and a
+wrong fc shape. It loads without a word a draft with a backbone tensor missing (the parameter stays
+uninitialised), extra `lm_head`/`embed_tokens` tensors (ignored), F32 tensors (cast), shift_label
+false (the DFlash slot layout: acceptance collapses), attention_bias true (biases never loaded) and
+the keys of SGLANG_FORBIDDEN_KEYS (another norm, attention or RoPE than the one trained). Only
+`check_export_dir` catches those.
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ DFLASH_KEYS = ("mask_token_id", "target_layer_ids")
 # Domino keys of dflash_config with a fixed value, then those that carry the head's shape.
 DOMINO_FIXED = {"projector_type": "domino", "pure_draft_prefix_len": 1, "shift_label": True}
 DOMINO_SHAPE_KEYS = ("emb_dim", "gru_hidden_dim")
+# Fields SGLang's DFlashDraftModel builds from, with the only value our draft has.
+FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False}
+# Keys that make SGLang build another draft than ours (Gemma norms, causal attention, partial or
+# GPT-J-style RoPE, RoPE scaling, quantised layers, an embedding of its own): never exported.
+SGLANG_FORBIDDEN_KEYS = ("use_gemma_norm", "is_causal", "partial_rotary_factor", "rope_is_neox_style", "is_neox_style",
+                         "rope_scaling", "quantization_config", "has_embed_tokens")
 HEAD_TENSORS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
 
 
@@ -126,12 +141,21 @@ def check_config(config: dict[str, Any]) -> list[str]:
         value = config.get(key)
         require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                 f"{key} must be a positive number, got {value!r}")
+    for key, value in FIXED_FIELDS.items():
+        require(key in config and config[key] == value and type(config[key]) is type(value),
+                f"{key} must be {json.dumps(value) if isinstance(value, bool) else repr(value)}, "
+                f"got {json.dumps(config.get(key)) if isinstance(value, bool) else repr(config.get(key))}")
+    for key in SGLANG_FORBIDDEN_KEYS:
+        require(key not in config, f"{key} must be absent (SGLang would build another draft), got {config.get(key)!r}")
     target = config.get("target")
     identified = isinstance(target, dict) and bool(target.get("name") and (target.get("revision") or target.get("sha256")))
     require(identified, "target must record the target's identity (name, and revision or sha256)")
     if problems:  # the checks below read these fields
         return problems
 
+    rope = config.get("rope_parameters")  # what transformers 5.x writes next to the plain rope_theta
+    require(rope is None or rope == {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            f"rope_parameters must be absent or {{rope_type: default, rope_theta: {config['rope_theta']}}}, got {rope}")
     require(config["block_size"] > 1, f"block_size must be > 1, got {config['block_size']}")
     require(config["num_attention_heads"] % config["num_key_value_heads"] == 0,
             "num_attention_heads must be a multiple of num_key_value_heads")

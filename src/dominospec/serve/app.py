@@ -52,7 +52,6 @@ def build_app(service: Service) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()
         body = parse_request(await request.body(), ChatRequest)
-        service.check_model(body)
         prompt_ids = await run_in_threadpool(render_chat, service.tokenizer, body.chat_messages())
         service.check_prompt(prompt_ids, "messages")
         return await service.answer(request, body, prompt_ids, chat=True, arrived=arrived)
@@ -61,7 +60,6 @@ def build_app(service: Service) -> FastAPI:
     async def completions(request: Request) -> Response:
         arrived = time.perf_counter()
         body = parse_request(await request.body(), CompletionRequest)
-        service.check_model(body)
         prompt_ids = await run_in_threadpool(tokenize, service.tokenizer, body.prompt)
         service.check_prompt(prompt_ids, "prompt")
         return await service.answer(request, body, prompt_ids, chat=False, arrived=arrived)

@@ -7,8 +7,11 @@ are ignored, as OpenAI clients send many (`user`, `logprobs: false`, ...). Limit
 params (`serve.max_tokens_limit`, `serve.max_prompt_tokens`) are checked by the app.
 
 Accepted fields (SGLang's OpenAI subset):
-  model             optional; must be the served name
-  messages (chat)   [{role: system|user|assistant, content: str | [{type: "text", text}]}], >= 1
+  model             optional, any string: SGLang 0.5.23 does not check it (its clients send
+                    "default"); the answer echoes it, or names the served model when absent
+  messages (chat)   [{role, content: str | [{type: "text", text}]}], >= 1; role is one of SGLang's
+                    (system user assistant developer tool function root latest_reminder), in any
+                    case, passed to the chat template in lower case
   prompt (compl.)   a non-empty string, tokenized as is (no chat template)
   max_tokens        >= 1 (chat: `max_completion_tokens` wins when both are given)
   temperature       >= 0; below 1e-6 decodes greedily (SGLang's rule)
@@ -16,14 +19,33 @@ Accepted fields (SGLang's OpenAI subset):
   stop              a string or a list of at most 4 strings, each 1..256 characters
   seed              0 <= seed < 2**63;   n  only 1
   stream, stream_options.include_usage, return_meta_info   booleans
-Sampling fields a request leaves out take the target's generation_config.json value, else
-temperature 1, top_p 1, top_k off: SGLang's default `--sampling-defaults model`.
+Sampling fields a chat request leaves out take the target's generation_config.json value, else
+temperature 1, top_p 1, top_k off: SGLang's default `--sampling-defaults model`, which SGLang
+applies to chat only; a completion request gets temperature 1, top_p 1, top_k off.
+
+Where this subset still differs from SGLang 0.5.23 (`sglang/srt/entrypoints/openai/`), and why:
+  stricter  n > 1, batched or token-id prompts, tool calls (content null, tools, tool_choice),
+            non-text content parts (SGLang refuses images for a text model too): the engine runs
+            one text sequence per request, without tools;
+            more than 4 stop strings or one over 256 characters (OpenAI's limit; bounds the
+            streamer's look-behind);
+            strict JSON types ("0.5" is not a float, true is not an int; SGLang coerces them):
+            a client bug is named instead of guessed at;
+            max_tokens above serve.max_tokens_limit and prompts above serve.max_prompt_tokens
+            (SGLang checks the context length only): a server's own limits, set them high to lift
+            them; max_tokens 0 in chat (SGLang answers nothing).
+  looser    top_k 0 means off (SGLang: -1 only), a null temperature/top_p in a completion request
+            (SGLang: 400), any seed below 2**63: a request SGLang refuses gets an answer here, which
+            no SGLang client relies on.
+  ignored   every other field SGLang knows (logprobs, penalties, min_p, regex, lora_path, ...),
+            as unknown fields are.
+tests/serve/test_errors.py pins each alignment.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -40,6 +62,9 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+ROLES = ("system", "user", "assistant", "developer", "tool", "function", "root", "latest_reminder")  # SGLang's
+
+
 class Message(Strict):
     role: str
     content: str
@@ -47,9 +72,9 @@ class Message(Strict):
     @field_validator("role")
     @classmethod
     def _role(cls, role: str) -> str:
-        if role not in ("system", "user", "assistant"):
-            raise ValueError("must be one of 'system', 'user', 'assistant'")
-        return role
+        if role.lower() not in ROLES:
+            raise ValueError(f"must be one of {', '.join(map(repr, ROLES))} (any case)")
+        return role.lower()
 
     @field_validator("content", mode="before")
     @classmethod
@@ -101,11 +126,15 @@ class SamplingFields(Strict):
             raise ValueError("only n = 1 is supported")
         return n
 
+    uses_model_defaults: ClassVar[bool] = False  # SGLang applies generation_config sampling defaults to chat only
+
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
     def sampling(self, defaults: dict[str, Any]) -> Sampling:
-        """Request fields, else the target's generation_config `defaults`, else SGLang's -> Sampling."""
+        """Request fields, else (chat only) the target's generation_config `defaults`, else SGLang's
+        -> Sampling."""
+        defaults = defaults if self.uses_model_defaults else {}
 
         def pick(name: str, fallback: float) -> Any:
             value = getattr(self, name)
@@ -120,6 +149,7 @@ class SamplingFields(Strict):
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    uses_model_defaults: ClassVar[bool] = True
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -2,7 +2,8 @@
 
 `Service` holds what the routes share: the engine worker, the tokenizer, the served name, the
 limits of `serve:` and the static facts `/server_info` reports. Per request:
-  1. `model` must be the served name (404 model_not_found);
+  1. `model` is not checked, as SGLang does not check it (its clients send "default"); the answer
+     echoes it, or carries the served name when the request has none;
   2. the prompt (rendered and tokenized by the route) must fit `serve.max_prompt_tokens` and leave
      room in the target's context (400); max_tokens must lie in 1..serve.max_tokens_limit (400);
   3. the job is queued (503 queue_full when `serve.max_queue` jobs already wait);
@@ -64,10 +65,9 @@ class Service:
 
     # ---- request -> job ---------------------------------------------------------------------
 
-    def check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.name:
-            raise ApiError(404, f"model {body.model!r} is not served here: this server serves {self.name!r}",
-                           "model", "model_not_found")
+    def answer_model(self, body: SamplingFields) -> str:
+        """The `model` an answer carries: the request's, as SGLang echoes it, else the served name."""
+        return body.model if body.model is not None else self.name
 
     def max_new_tokens(self, body: SamplingFields) -> int:
         requested = body.requested_max_tokens()
@@ -103,7 +103,7 @@ class Service:
         except queue.Full:
             raise ApiError(503, f"the server is busy: {self.limits.max_queue} requests are already waiting "
                                 "(serve.max_queue); retry later", None, "queue_full") from None
-        env = Envelope.new(self.name, chat)
+        env = Envelope.new(self.answer_model(body), chat)
         if body.stream:
             return JobStream(job, self._stream(job, env, body, arrived))
         return await self._complete(request, job, env, body, arrived)
