@@ -1,29 +1,52 @@
-"""Where the time of a speculative round goes, against one autoregressive step, for several K.
+"""Where the time of a speculative round goes, against one autoregressive step: before and after the engine fixes.
 
-One process, one target, one draft; for each prompt every engine runs in turn (AR, head off at
-K = B-1, Domino at each K), so all modes see the same prompts under the same machine load.
+One process; for each prompt every setup runs in turn (interleaved), so all see the same prompts
+under the same machine load. A setup is (linear kernels, draft dtype, candidate pool, mode, K):
 
-    python benchmarks/round_cost.py --params params.yaml [--draft DIR] [--k 7,3,2] \
-        [--suite sharegpt] [--prompts 8] [--new-tokens 128] [--device cpu|cuda] [--dtype float32]
+    before   linear torch  (MKL, weights re-packed per call), draft in the target dtype, full vocabulary
+    after    linear packed (oneDNN, packed once),             draft bf16, pool M (engine params)
 
-Per mode: pooled τ (round tokens ÷ verify rounds), tokens/s, speedup over AR, mean ms per round
-of the draft forward (+ context append), the rollout and the verify forward (+ acceptance, KV
-crop), the round's cost in AR steps, and the τ a round of that cost needs for 1.0× and 1.3×.
+Each side has its own AR baseline on its own target copy, so "round ÷ AR step" compares like with
+like (the AR baseline gets every kernel the verify forward gets).
+
+    python benchmarks/round_cost.py [--params params.yaml] [--draft DIR | --random-draft] [--k 7,3]
+        [--suite sharegpt] [--prompts 4] [--new-tokens 64] [--threads 2] [--sides before,after]
+
+--random-draft builds the default architecture (params `draft:`) with random weights: round *cost*
+does not depend on draft quality (τ ≈ 1 then). Prints per setup: τ, tokens/s, speed-up over its AR,
+ms per round of draft forward / chain / verify, the round in AR steps, the τ it needs for 1.0×
+and 1.3×, and the speed-up that round cost gives at τ = 1.5, 2.0, 3.0 (τ × AR step ÷ round);
+then the measured verify cost by rows (engine.cost) for each side.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import platform
 import sys
 
 import torch
 
+TAUS = (1.5, 2.0, 3.0)
+
+
+def random_draft(params, target):
+    """The default draft architecture (params `draft:`) with random weights, for `target`."""
+    from dominospec.cache.features import resolve_layer_ids
+    from dominospec.models.domino import DFlashDraftModel
+    from dominospec.train.build import draft_config
+
+    layer_ids = resolve_layer_ids(params.cache, target.num_layers)
+    torch.manual_seed(0)
+    config = draft_config(params.draft, target, layer_ids, mask_token_id=16)
+    return DFlashDraftModel(config).to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
+
 
 def main() -> None:
     from dominospec.config import load_params
-    from dominospec.engine import SpecEngine, draft_dir, load_draft
+    from dominospec.engine import EngineOptions, SpecEngine, draft_dir, load_draft, pack_linears
     from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import pooled
     from dominospec.target import load_target
@@ -31,28 +54,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--draft", help="draft dir (default: the export, else checkpoints/final)")
-    parser.add_argument("--k", default="7,3,2", help="drafts verified per round, comma-separated")
+    parser.add_argument("--random-draft", action="store_true", help="random weights, default architecture")
+    parser.add_argument("--k", default="7,3", help="drafts verified per round (ints or auto), comma-separated")
+    parser.add_argument("--sides", default="before,after")
+    parser.add_argument("--pool", type=int, help="candidate pool of the after side (default: engine.candidate_pool)")
     parser.add_argument("--suite", default="sharegpt")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--device", help="override target.device")
-    parser.add_argument("--dtype", help="override target.dtype")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ngram", action="store_true", help="also run the ngram mode on each side")
     args = parser.parse_args()
 
     params = load_params(args.params)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target_params = dataclasses.replace(params.target, **{k: v for k, v in
-                                                           (("device", args.device), ("dtype", args.dtype)) if v})
-    target = load_target(target_params)
-    draft = load_draft(args.draft or draft_dir(params.paths), target)
-    B = draft.config.block_size
-    engines = {"ar": SpecEngine(target, None, "ar"), f"dflash K={B - 1}": SpecEngine(target, draft, "dflash")}
-    for k in (int(x) for x in args.k.split(",")):
-        engines[f"domino K={k}"] = SpecEngine(target, draft, "domino", k)
-    suite = load_suite(args.suite, target.tokenizer, params.paths.prepared, args.prompts, 1024)
-    for engine in engines.values():  # warm-up: first-call allocations and kernel selection
+    torch.set_num_threads(args.threads)
+    sides = args.sides.split(",")
+    pool = params.engine.candidate_pool if args.pool is None else args.pool
+    engines, targets = {}, {}
+    for side in sides:
+        target = load_target(params.target)
+        targets[side] = target
+        draft = random_draft(params, target) if args.random_draft else load_draft(args.draft or draft_dir(params.paths), target)
+        if side == "after":
+            pack_linears(target.model)
+            options = EngineOptions(draft_dtype=torch.bfloat16, packed=True, candidate_pool=pool)
+        else:
+            options = EngineOptions()
+        engines[f"{side} ar"] = SpecEngine(target, None, "ar")
+        if args.ngram:
+            engines[f"{side} ngram K=7"] = SpecEngine(target, None, "ngram", 7, options)
+        for k in args.k.split(","):
+            num_draft = k if k == "auto" else int(k)
+            engines[f"{side} domino K={k}"] = SpecEngine(target, draft, "domino", num_draft, options)
+        engines[f"{side} dflash K={draft.config.block_size - 1}"] = SpecEngine(target, draft, "dflash", None, options)
+    tokenizer = targets[sides[0]].tokenizer
+    suite = load_suite(args.suite, tokenizer, params.paths.prepared, args.prompts, 1024)
+    for engine in engines.values():  # warm-up: allocations, kernel choice, auto-K's cost measurement
         engine.generate(suite.prompts[0], 8)
     runs = {name: [] for name in engines}
     for i, prompt in enumerate(suite.prompts):
@@ -60,22 +96,34 @@ def main() -> None:
             runs[name].append(engine.generate(prompt, args.new_tokens))
         print(f"prompt {i + 1}/{len(suite.prompts)} done", file=sys.stderr, flush=True)
 
-    ar = pooled(runs["ar"])
-    ar_step = ar["verify_ms_per_round"]
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else platform.processor() or "cpu"
-    print(f"\n{device}, torch {torch.__version__}, threads {torch.get_num_threads()}, {target_params.dtype}, "
-          f"suite {args.suite}: {len(suite.prompts)} prompts x <= {args.new_tokens} tokens, B = {B}, greedy")
-    print("| mode | τ | tokens/s | speedup | draft ms | rollout ms | verify ms | round ÷ AR step | τ for 1.0× / 1.3× |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| ar | 1 | {ar['tokens_per_s']:.1f} | 1.00 | | | {ar_step:.2f} | 1.00 | |")
-    for name in list(engines)[1:]:
-        p = pooled(runs[name])
-        round_ms = p["draft_ms_per_round"] + p["rollout_ms_per_round"] + p["verify_ms_per_round"]
-        cost = round_ms / ar_step
-        print(f"| {name} | {p['acceptance_length']:.2f} | {p['tokens_per_s']:.1f} | "
-              f"{p['tokens_per_s'] / ar['tokens_per_s']:.2f} | {p['draft_ms_per_round']:.2f} | "
-              f"{p['rollout_ms_per_round']:.2f} | {p['verify_ms_per_round']:.2f} | {cost:.2f} | "
-              f"{cost:.2f} / {1.3 * cost:.2f} |")
+    B = params.draft.block_size
+    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, target {params.target.dtype}, draft {'random' if args.random_draft else 'trained'}"
+          f", suite {args.suite}: {len(suite.prompts)} prompts x <= {args.new_tokens} tokens, B = {B}, greedy, pool {pool}")
+    taus = " / ".join(f"τ={t}" for t in TAUS)
+    print(f"| setup | τ | tokens/s | speed-up | draft ms | chain ms | verify ms | round ÷ AR step | τ for 1.0× / 1.3× "
+          f"| speed-up at {taus} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for side in sides:
+        ar = pooled(runs[f"{side} ar"])
+        ar_step = ar["verify_ms_per_round"]
+        print(f"| {side} ar | 1 | {ar['tokens_per_s']:.1f} | 1.00 | | | {ar_step:.2f} | 1.00 | | |")
+        for name in (n for n in engines if n.startswith(side) and not n.endswith(" ar")):
+            p = pooled(runs[name])
+            round_ms = p["draft_ms_per_round"] + p["rollout_ms_per_round"] + p["verify_ms_per_round"]
+            cost = round_ms / ar_step
+            at = " / ".join(f"{t / cost:.2f}" for t in TAUS)
+            print(f"| {name} | {p['acceptance_length']:.2f} | {p['tokens_per_s']:.1f} | "
+                  f"{p['tokens_per_s'] / ar['tokens_per_s']:.2f} | {p['draft_ms_per_round']:.2f} | "
+                  f"{p['rollout_ms_per_round']:.2f} | {p['verify_ms_per_round']:.2f} | {cost:.2f} | "
+                  f"{cost:.2f} / {1.3 * cost:.2f} | {at} |")
+    print("\nmeasured phase costs (engine.cost, fastest of 5, ms): verify by rows r = 1..B, draft forward, chain step")
+    for side in sides:
+        engine = engines[f"{side} domino K={args.k.split(',')[0]}"]
+        cost = engine.calibrate(suite.prompts[0])
+        rows = " ".join(f"{v:.1f}" for v in cost.verify)
+        print(f"{side}: verify [{rows}]  draft {cost.draft:.2f}  chain step {cost.rollout_step:.3f}  "
+              f"round(K=7) ÷ step(1 row) {cost.round_ms(min(7, len(cost.verify) - 1)) / cost.verify[0]:.2f}")
 
 
 if __name__ == "__main__":

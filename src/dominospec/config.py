@@ -81,6 +81,9 @@ class RegenerateParams:
     top_p: float
     batch_size: int
     seed: int
+    dtype: Literal["float32", "bfloat16", "float16"]  # regeneration compute dtype (the target is cast to it)
+    loop_ngram: Optional[int]  # None/0: keep repetition loops; n: cut a reply once an n-gram recurs
+    loop_repeats: int  # ... `loop_repeats` times (>= 2); the reply keeps one copy of the loop
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,20 @@ class ExportParams:
 
 
 @dataclass(frozen=True)
+class EngineParams:
+    """Speed knobs of the built-in engine (evaluate, generate, built-in serve). None changes what is generated."""
+
+    linear: Literal["packed", "torch"]  # packed: target + draft linears pre-packed for oneDNN (CPU fp32/bf16)
+    draft_dtype: Optional[Literal["float32", "bfloat16", "float16"]]  # draft path (backbone, base logits, rollout); null = target's
+    candidate_pool: int  # M top base-logit candidates the rollout scores per block; 0 = the exact full vocabulary
+    confidence_cut: float  # verify drafts while the product of their draft probabilities stays >= this; 0 = off
+    acceptance_window: int  # auto-K: rounds of acceptance history (exponentially decayed) K follows
+    ngram_min: int  # ngram mode (prompt lookup): shortest suffix n-gram looked up
+    ngram_max: int  # ngram mode: longest suffix n-gram looked up (tried first)
+    ngram_num_draft: int  # ngram mode: most tokens proposed per round
+
+
+@dataclass(frozen=True)
 class EvaluateParams:
     """AR vs head-off vs Domino decoding on prompt suites: speed, acceptance, exact match."""
 
@@ -159,7 +176,7 @@ class EvaluateParams:
     temperature: float  # 0 = greedy: spec output must then equal AR output
     top_p: float  # 1 = off
     top_k: int  # 0 = off
-    num_draft: Optional[int]  # drafts verified per round, 1..block_size; null = block_size - 1 (SGLang's)
+    num_draft: Union[int, Literal["auto"], None]  # drafts per round, 1..block_size; null = B-1 (SGLang's); auto = auto-K
     seed: int  # sampling seed of prompt i is seed + i, the same for every mode
     stop_strings: list[str]
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
@@ -174,7 +191,7 @@ class ServeParams:
     port: int
     backend: Literal["auto", "sglang", "builtin"]  # auto: sglang when importable and CUDA is available
     mode: Literal["domino", "dflash", "ar"]  # built-in server only (SGLang serves what the draft's config says)
-    num_draft: Optional[int]  # built-in: K drafts per round, 1..block_size; null = block_size - 1
+    num_draft: Union[int, Literal["auto"], None]  # built-in: K drafts per round, 1..block_size; null = B-1; auto = auto-K
     max_queue: int  # built-in: requests waiting for the engine; one more gets 503
     max_body_bytes: int  # built-in: larger request bodies get 413, before parsing
     max_prompt_tokens: int  # built-in: longer prompts (after the chat template) get 400
@@ -207,6 +224,7 @@ class Params:
     draft: DraftParams
     train: TrainParams
     export: ExportParams
+    engine: EngineParams
     evaluate: EvaluateParams
     serve: ServeParams
     mlflow: MlflowParams

@@ -171,7 +171,7 @@ def test_first_round_drafts_follow_the_block_layout(target, draft, monkeypatch, 
     the lossless tests (it only lowers τ), so the base logits and proposals are checked directly."""
     engine = SpecEngine(target, draft, mode)
     base_seen, proposals = [], []
-    engine.lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
+    engine.draft_lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
     accept = spec_module.accept_greedy
     monkeypatch.setattr(spec_module, "accept_greedy", lambda d, logits: proposals.append(d.tolist()) or accept(d, logits))
     prompt = [3, 6, 4, 5, 7, 3]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import random_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import SpecEngine
+from dominospec.engine import EngineOptions, SpecEngine, pack_linears
 
 
 CASES = [  # arch, vocab, dtype, block sizes
@@ -57,3 +57,41 @@ def test_domino_and_dflash_drafts_differ_but_both_are_lossless():
         assert a.token_ids == b.token_ids
         rounds_differ += a.stats.accepted_lengths != b.stats.accepted_lengths
     assert rounds_differ > 0
+
+
+FAST = [  # the engine's speed knobs: none may change a greedy token
+    EngineOptions(draft_dtype=torch.bfloat16),
+    EngineOptions(draft_dtype=torch.bfloat16, packed=True, candidate_pool=3),
+    EngineOptions(candidate_pool=5, confidence_cut=0.2),
+]
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen3", torch.float64)])
+@pytest.mark.parametrize("options", FAST)
+@pytest.mark.parametrize("num_draft", [None, "auto"])
+def test_bf16_draft_pool_cut_and_auto_k_stay_lossless(arch, dtype, options, num_draft):
+    target = tiny_target(arch, vocab=8, dtype=dtype, scale=0.2)
+    ar = SpecEngine(target, None, "ar")
+    prompts = random_prompts(10, 8, seed=5)
+    reference = [ar.generate(p, 24).token_ids for p in prompts]
+    draft = tiny_draft(target, block_size=8, seed=8)
+    accepted = 0
+    for mode in ("dflash", "domino"):
+        engine = SpecEngine(target, draft, mode, num_draft, options)
+        for prompt, expected in zip(prompts, reference):
+            out = engine.generate(prompt, 24)
+            assert out.token_ids == expected, (mode, prompt)
+            accepted += sum(out.stats.position_accepted)
+    if num_draft is None:
+        assert accepted > 20, accepted
+
+
+def test_packed_target_matches_plain_target():
+    """`linear: packed` (oneDNN, weights packed once) gives the AR and spec tokens of the plain fp32 target."""
+    target = tiny_target("qwen3", vocab=96, dtype=torch.float32, scale=0.2)
+    prompts = random_prompts(8, 96, seed=2)
+    reference = [SpecEngine(target, None, "ar").generate(p, 20).token_ids for p in prompts]
+    draft = tiny_draft(target, block_size=4, seed=4)
+    assert pack_linears(target.model) == 4 * 7 + 1  # q k v o gate up down per layer + lm_head
+    for engine in (SpecEngine(target, None, "ar"), SpecEngine(target, draft, "domino", None, FAST[1])):
+        assert [engine.generate(p, 20).token_ids for p in prompts] == reference

@@ -16,7 +16,7 @@ from engine_helpers import tiny_draft, tiny_target
 from scipy.stats import chi2
 
 import dominospec.engine.spec as spec_module
-from dominospec.engine import Sampling, SpecEngine
+from dominospec.engine import EngineOptions, Sampling, SpecEngine
 
 VOCAB, PROMPT = 8, [3, 5, 4, 6]
 SAMPLES, BROKEN_SAMPLES = 2000, 1000  # broken rules miss by p < 1e-30 at 1500 samples
@@ -76,18 +76,24 @@ def marginals(joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pair.sum(1), pair
 
 
+BF16_POOL = EngineOptions(draft_dtype=torch.bfloat16, candidate_pool=3)  # bf16 draft path, 3 of 8 tokens scored
 SAMPLINGS = [
-    ("domino", Sampling(temperature=1.0)),
-    ("dflash", Sampling(temperature=2.0, top_k=6, top_p=0.8)),  # a q warped unlike p fails here (p < 1e-20)
+    ("domino", Sampling(temperature=1.0), EngineOptions()),
+    ("dflash", Sampling(temperature=2.0, top_k=6, top_p=0.8), EngineOptions()),  # a q warped unlike p fails (p < 1e-20)
+    ("domino", Sampling(temperature=1.0), BF16_POOL),
+    ("domino", Sampling(temperature=1.5, top_p=0.9), BF16_POOL),
+    ("ngram", Sampling(temperature=1.0), EngineOptions(ngram_max=2)),  # point-mass drafts from prompt lookup
 ]
 
 
-@pytest.mark.parametrize("mode, sampling", SAMPLINGS)
-def test_spec_sampling_matches_target_distribution(setup, mode, sampling):
+@pytest.mark.parametrize("mode, sampling, options", SAMPLINGS)
+def test_spec_sampling_matches_target_distribution(setup, mode, sampling, options):
     target, draft = setup
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
-    x2, pairs, accepted = sample_x2_x3(SpecEngine(target, draft, mode), sampling, SAMPLES)
-    assert SAMPLES * 0.1 < accepted < SAMPLES * 0.9, f"acceptance {accepted}/{SAMPLES}: drafts too good or too bad"
+    engine = SpecEngine(target, None if mode == "ngram" else draft, mode, None, options)
+    x2, pairs, accepted = sample_x2_x3(engine, sampling, SAMPLES)
+    low = 0.05 if mode == "ngram" else 0.1  # lookup hits only when x1 occurs in the prompt
+    assert SAMPLES * low < accepted < SAMPLES * 0.9, f"acceptance {accepted}/{SAMPLES}: drafts too good or too bad"
     assert chi_square_p(x2, x2_exact, SAMPLES) > 1e-3
     assert chi_square_p(pairs, pair_exact, SAMPLES) > 1e-3
 

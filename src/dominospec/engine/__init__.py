@@ -1,11 +1,14 @@
-"""Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft, and the AR baseline."""
+"""Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft or prompt lookup, and the AR baseline."""
 
 from dominospec.engine.loading import check_draft_matches, draft_dir, load_draft
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
-from dominospec.engine.spec import MODES, Generation, GenerationStats, SpecEngine
+from dominospec.engine.packed import pack_linears
+from dominospec.engine.spec import MODES, EngineOptions, SpecEngine
+from dominospec.engine.stats import Generation, GenerationStats
 
 __all__ = [
     "MODES",
+    "EngineOptions",
     "Generation",
     "GenerationStats",
     "Sampling",
@@ -15,4 +18,5 @@ __all__ = [
     "check_draft_matches",
     "draft_dir",
     "load_draft",
+    "pack_linears",
 ]

@@ -1,0 +1,82 @@
+"""Auto-K: how many drafts to verify this round, from measured acceptance and measured round cost.
+
+A round that verifies K drafts emits E(K) = 1 + a_1 + ... + a_K tokens on average, where a_k is
+the probability that at least k drafts are accepted, and costs C(K) ms (`RoundCost`, measured on
+this machine). K = 0 is a plain target step: no draft forward, 1 token, C(0) = one AR step. The
+policy picks K = argmax_K E(K) / C(K) over 0..K_max, so it verifies fewer drafts (or none) when
+the recent rounds accepted little, and it stops paying for the draft forward at all when even
+K = 1 would not beat a plain step: prompt lookup's fallback, for a draft.
+
+Acceptance is estimated by position from decayed counts over the recent rounds (a window of W
+rounds: every round multiplies the counts by 1 - 1/W, so plain steps let old evidence fade):
+rho_k = P(d_k accepted | d_1..d_{k-1} accepted) = (hit_k + w * prior_k) / (tried_k + w), with
+prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good as the one before
+it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the counts fade, the
+prior comes back and a probe round is tried again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PRIOR, PRIOR_WEIGHT = 0.5, 1.0  # exploration: an unknown position is a coin flip worth one round
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Measured milliseconds of the phases of a round on this machine (see engine.cost)."""
+
+    verify: list[float]  # verify[r-1]: target forward over r rows (features included), r = 1..K_max+1
+    draft: float  # draft forward over the block + base logits (0 in `ngram`)
+    rollout_step: float  # one chain step (0 in `ngram`)
+
+    def round_ms(self, k: int) -> float:
+        """Cost of a round verifying k drafts (k = 0: a plain target step, no draft forward)."""
+        if k == 0:
+            return self.verify[0]
+        return self.draft + k * self.rollout_step + self.verify[k]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class AcceptanceModel:
+    """Decayed per-position acceptance counts of the recent rounds (module docstring)."""
+
+    def __init__(self, k_max: int, window: int):
+        self.k_max, self.keep = k_max, 1.0 - 1.0 / max(window, 1)
+        self.tried = [0.0] * k_max  # tried[k-1]: rounds that verified d_k with d_1..d_{k-1} accepted
+        self.hit = [0.0] * k_max  # hit[k-1]: of those, rounds that accepted d_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """One round that verified `proposed` drafts and accepted the first `accepted` (0 and 0: a plain step)."""
+        for k in range(self.k_max):
+            self.tried[k] *= self.keep
+            self.hit[k] *= self.keep
+        for k in range(min(proposed, accepted + 1)):  # d_1..d_{n+1} were tried, d_1..d_n hit
+            self.tried[k] += 1.0
+            self.hit[k] += k < accepted
+
+    def survival(self) -> list[float]:
+        """-> a_k = P(at least k drafts accepted), k = 1..k_max."""
+        out, rho, a = [], PRIOR, 1.0
+        for tried, hit in zip(self.tried, self.hit):
+            rho = (hit + PRIOR_WEIGHT * rho) / (tried + PRIOR_WEIGHT)
+            a *= rho
+            out.append(a)
+        return out
+
+
+def expected_rates(cost: RoundCost, survival: list[float], k_max: int) -> list[float]:
+    """-> tokens per ms for K = 0..k_max: E(K) / C(K)."""
+    rates, expected = [1.0 / cost.round_ms(0)], 1.0
+    for k in range(1, k_max + 1):
+        expected += survival[k - 1]
+        rates.append(expected / cost.round_ms(k))
+    return rates
+
+
+def choose_k(cost: RoundCost, survival: list[float], k_max: int) -> int:
+    """-> the K in 0..k_max with the most expected tokens per ms."""
+    rates = expected_rates(cost, survival, k_max)
+    return max(range(len(rates)), key=rates.__getitem__)
