@@ -114,6 +114,13 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert suite["new_tokens"] == suite["ar_new_tokens"] <= 3 * 12
     assert 1.0 <= suite["acceptance_length"] <= report["block_size"]
     assert suite["speedup"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ar_tokens_per_s"]) and suite["speedup"] > 0
+    # every mode on the same prompts, one schema; prompt lookup reported beside the draft's modes
+    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino"}
+    assert suite["exact_match_ngram"] == 1.0 and suite["modes"]["ngram"]["exact_match"] == 1.0
+    assert suite["speedup_ngram"] == pytest.approx(suite["ngram_tokens_per_s"] / suite["ar_tokens_per_s"])
+    assert suite["modes"]["domino"]["acceptance_length"] == suite["acceptance_length"]
+    for key in ("acceptance_length_se", "acceptance_length_no_head_se", "acceptance_length_ngram_se"):
+        assert suite[key] is not None and suite[key] >= 0
     # τ is consistent with the counts: round tokens = new tokens - one prefill token per prompt.
     assert suite["acceptance_length"] == pytest.approx((suite["new_tokens"] - 3) / suite["verify_rounds"])
     assert len(suite["acceptance_by_position"]) == report["num_draft"] == report["block_size"] - 1 == 3
@@ -139,6 +146,23 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert run.data.metrics["mine/speedup"] == pytest.approx(suite["speedup"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
+
+
+def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path):
+    params_path, _ = setup
+    raw = yaml.safe_load(params_path.read_text())
+    raw["evaluate"]["num_draft"] = "auto"
+    auto_params = tmp_path / "params.yaml"
+    auto_params.write_text(yaml.safe_dump(raw))
+    report = evaluate(load_params(auto_params), out=str(tmp_path / "auto.json"))
+    assert report["num_draft_setting"] == "auto" and set(report["auto_k"]) == {"ngram", "dflash", "domino"}
+    record = report["auto_k"]["domino"]
+    K = report["num_draft"]
+    assert len(record["cost_ms"]["verify"]) == K + 1 and len(record["round_over_ar_step_by_k"]) == K + 1
+    assert record["round_over_ar_step_by_k"][0] == 1.0 and 0 <= record["k_at_end"] <= K
+    assert all(0 <= a <= 1 for a in record["acceptance_estimate_at_end"])
+    sharegpt = report["suites"]["sharegpt"]
+    assert sharegpt["exact_match"] == sharegpt["exact_match_no_head"] == sharegpt["exact_match_ngram"] == 1.0
 
 
 def test_stage_runs_params_suites_and_out_keeps_pipeline_outputs_apart(setup, tmp_path):

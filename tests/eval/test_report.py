@@ -46,6 +46,8 @@ def test_suite_report_pools_tau_and_records_divergences_with_margin():
     report = suite_report(runs, prompts, "domino", greedy=True, ar_engine=ar_engine, skipped_too_long=1)
     # pooled: (4 + 3) / (1 + 3) = 1.75, while the mean of per-prompt τ would be (4 + 1) / 2 = 2.5
     assert report["acceptance_length"] == pytest.approx(1.75)
+    # SE of the ratio estimator: residuals t_i - τ r_i = 4 - 1.75 and 3 - 5.25 (±2.25), n = 2, mean r = 2
+    assert report["acceptance_length_se"] == pytest.approx((2 * 2.25**2 / 2) ** 0.5 / 2)
     assert report["acceptance_length_no_head"] == pytest.approx((4 + 3) / 6)
     assert report["ar_tokens_per_s"] == pytest.approx(9 / 4.0)
     assert report["spec_tokens_per_s"] == pytest.approx(9 / 2.0)

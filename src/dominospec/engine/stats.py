@@ -29,6 +29,7 @@ class GenerationStats:
     draft_s: float = 0.0  # backbone forwards, base logits, draft-context appends (prompt lookup in `ngram`)
     rollout_s: float = 0.0  # the chain (head rollout, or independent draws with the head off)
     verify_s: float = 0.0  # target forwards after the prefill, acceptance, KV crop
+    draft_round_s: float = 0.0  # whole rounds that verified at least one draft (auto-K's plain steps left out)
     total_s: float = 0.0
     target_kv_length: int = 0  # at the end: prompt + new_tokens - 1
     draft_context_length: int = 0  # at the end: the same, in draft modes

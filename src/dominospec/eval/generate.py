@@ -6,14 +6,16 @@ import torch
 
 from dominospec.config import Params
 from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
+from dominospec.engine.configure import engine_options, prepare_target
 from dominospec.eval.prompts import render
 from dominospec.eval.stage import sampling_from
 
 
 def generate(params: Params, prompt: str, mode: str) -> Generation:
-    """Params + user message + mode (ar | dflash | domino) -> Generation (answer and stats printed).
+    """Params + user message + mode (ar | ngram | dflash | domino) -> Generation (answer and stats printed).
 
-    Sampling, max_new_tokens, num_draft, stop strings, seed and threads come from `params.evaluate`.
+    Sampling, max_new_tokens, num_draft, stop strings, seed and threads come from `params.evaluate`,
+    the engine's speed knobs from `params.engine`.
     """
     from dominospec.target import load_target
 
@@ -22,8 +24,10 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
         torch.set_num_threads(cfg.num_threads)
     sampling = sampling_from(cfg)
     target = load_target(params.target)
-    draft = None if mode == "ar" else load_draft(draft_dir(params.paths), target)
-    engine = SpecEngine(target, draft, mode, None if mode == "ar" else cfg.num_draft)
+    draft = None if mode in ("ar", "ngram") else load_draft(draft_dir(params.paths), target)
+    prepare_target(target, params.engine)
+    num_draft = None if mode == "ar" or (mode == "ngram" and cfg.num_draft != "auto") else cfg.num_draft
+    engine = SpecEngine(target, draft, mode, num_draft, engine_options(params.engine))
     ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats

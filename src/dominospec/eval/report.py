@@ -2,31 +2,52 @@
 
 All rates are pooled over the suite (DESIGN §6): τ = Σ round tokens ÷ Σ verify rounds (bonus
 included, the prefill's first token excluded), tokens/s = Σ new tokens ÷ Σ generation wall time
-(prefill included), speedup = spec tokens/s ÷ AR tokens/s; `speedup_decode` leaves the prefill
-(and its token) out of both. Exact match (greedy only) is the share
-of prompts whose spec token ids equal AR's; each divergence is recorded with the target's top-2
-logit margin at that point, so it can be checked against a near-tie.
+(prefill included), speedup = mode tokens/s ÷ AR tokens/s; `speedup_decode` leaves the prefill
+(and its token) out of both. τ's standard error is over prompts, for the pooled (ratio)
+estimator: SE = sqrt(Σ_i (t_i − τ r_i)² / (n (n − 1))) ÷ mean(r_i), with t_i, r_i the round
+tokens and rounds of prompt i (delta method; None with fewer than two prompts).
+Exact match (greedy only) is the share of prompts whose token ids equal AR's; each divergence
+is recorded with the target's top-2 logit margin at that point, so it can be checked against a
+near-tie.
+
+Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`.
+The flat keys describe the draft's mode (`spec_*`, `acceptance_length`, `speedup`, ...), `_no_head`
+the head-off mode and `_ngram` prompt lookup; `modes` holds every mode's metrics under one schema.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
 
 from dominospec.engine import Generation, SpecEngine
 
-# The two speculative modes: head off (metric suffix `_no_head`) and Domino.
-NO_HEAD, HEAD = "dflash", "domino"
+# The two draft modes: head off (metric suffix `_no_head`) and Domino; prompt lookup: `_ngram`.
+NO_HEAD, HEAD, NGRAM = "dflash", "domino", "ngram"
 
 
-def pooled(generations: list[Generation]) -> dict[str, float]:
-    """Generations of one mode -> pooled τ, tokens/s, new tokens and mean per-round costs (ms)."""
+def tau_standard_error(generations: list[Generation]) -> Optional[float]:
+    """Generations of one mode (one per prompt) -> standard error of the pooled τ over prompts."""
+    t = [g.stats.round_tokens for g in generations]
+    r = [g.stats.rounds for g in generations]
+    n, rounds = len(r), sum(r)
+    if n < 2 or rounds == 0:
+        return None
+    tau = sum(t) / rounds
+    spread = sum((ti - tau * ri) ** 2 for ti, ri in zip(t, r)) / (n * (n - 1))
+    return math.sqrt(spread) / (rounds / n)
+
+
+def pooled(generations: list[Generation]) -> dict[str, Any]:
+    """Generations of one mode -> pooled τ (and its SE), tokens/s, new tokens, mean per-round costs (ms)."""
     stats = [g.stats for g in generations]
     rounds = sum(s.rounds for s in stats)
     seconds = sum(s.total_s for s in stats)
     new_tokens = sum(s.new_tokens for s in stats)
     decode_s = seconds - sum(s.prefill_s for s in stats)  # the prefill emits one token per prompt
+    draft_rounds = sum(s.draft_rounds for s in stats)
 
     def per_round(attr: str) -> Optional[float]:
         return 1000 * sum(getattr(s, attr) for s in stats) / rounds if rounds else None
@@ -35,12 +56,16 @@ def pooled(generations: list[Generation]) -> dict[str, float]:
         "new_tokens": new_tokens,
         "rounds": rounds,
         "acceptance_length": sum(s.round_tokens for s in stats) / rounds if rounds else None,
+        "acceptance_length_se": tau_standard_error(generations),
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
         "decode_tokens_per_s": (new_tokens - len(stats)) / decode_s if decode_s > 0 else None,
         "prefill_ms": 1000 * sum(s.prefill_s for s in stats) / len(stats),
         "draft_ms_per_round": per_round("draft_s"),
         "rollout_ms_per_round": per_round("rollout_s"),
         "verify_ms_per_round": per_round("verify_s"),
+        "mean_drafts_per_round": sum(s.proposed for s in stats) / rounds if rounds else None,
+        "draft_round_share": draft_rounds / rounds if rounds else None,  # rounds that verified >= 1 draft
+        "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
     }
 
 
@@ -102,32 +127,54 @@ def suite_report(
     def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
         return a / b if a is not None and b else None
 
+    modes = {}
+    for mode, generations in by_mode.items():
+        p = pooled(generations)
+        modes[mode] = {**p, "speedup": ratio(p["tokens_per_s"], ar["tokens_per_s"]),
+                       "speedup_decode": ratio(p["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
+                       "exact_match": exact(mode) if mode != "ar" else None,
+                       "acceptance_by_position": acceptance_by_position(generations) if mode != "ar" else None}
+    ngram = modes.get(NGRAM, {})
+    ar_step = ar["verify_ms_per_round"]
     return {
         "n_prompts": len(runs),
         "skipped_too_long": skipped_too_long,
         "new_tokens": spec["new_tokens"],
         "ar_new_tokens": ar["new_tokens"],
         "acceptance_length": spec["acceptance_length"],
+        "acceptance_length_se": spec["acceptance_length_se"],
         "acceptance_length_no_head": no_head["acceptance_length"],
+        "acceptance_length_no_head_se": no_head["acceptance_length_se"],
+        "acceptance_length_ngram": ngram.get("acceptance_length"),
+        "acceptance_length_ngram_se": ngram.get("acceptance_length_se"),
         "verify_rounds": spec["rounds"],
         "ar_tokens_per_s": ar["tokens_per_s"],
         "spec_tokens_per_s": spec["tokens_per_s"],
         "no_head_tokens_per_s": no_head["tokens_per_s"],
+        "ngram_tokens_per_s": ngram.get("tokens_per_s"),
         "speedup": ratio(spec["tokens_per_s"], ar["tokens_per_s"]),
         "speedup_no_head": ratio(no_head["tokens_per_s"], ar["tokens_per_s"]),
+        "speedup_ngram": ngram.get("speedup"),
         "speedup_decode": ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),  # prefill excluded
         "exact_match": exact(spec_mode),
         "exact_match_no_head": exact(NO_HEAD),
+        "exact_match_ngram": ngram.get("exact_match"),
         "divergences": divergences,
         "max_divergence_margin": max((d["top2_margin"] for d in divergences), default=None),
         "acceptance_by_position": acceptance_by_position(by_mode[spec_mode]),
         "acceptance_by_position_no_head": acceptance_by_position(by_mode[NO_HEAD]),
         "cost_ms": {
-            "ar_step": ar["verify_ms_per_round"],
+            "ar_step": ar_step,
             "draft": spec["draft_ms_per_round"],
             "rollout": spec["rollout_ms_per_round"],
             "verify": spec["verify_ms_per_round"],
             "rollout_no_head": no_head["rollout_ms_per_round"],
             "prefill": ar["prefill_ms"],
+            "draft_round": spec["draft_round_ms"],  # a round that verified drafts (auto-K's plain steps left out)
         },
+        # (draft + rollout + verify) ÷ AR step: per round as run, and per round that drafted
+        "round_over_ar_step": ratio(sum(spec[k] for k in ("draft_ms_per_round", "rollout_ms_per_round",
+                                                          "verify_ms_per_round")), ar_step),
+        "draft_round_over_ar_step": ratio(spec["draft_round_ms"], ar_step),
+        "modes": modes,
     }

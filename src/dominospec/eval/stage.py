@@ -1,11 +1,15 @@
-"""The `evaluate` stage: AR vs head-off vs Domino decoding on prompt suites, in one run.
+"""The `evaluate` stage: AR vs prompt lookup vs head-off vs Domino decoding on prompt suites, in one run.
 
-For every prompt of every suite the three modes run back to back (AR, head off, Domino) with
-the same sampling seed, so machine drift hits all three alike. Outputs:
+For every prompt of every suite the four modes run back to back (AR, ngram, head off, Domino)
+with the same sampling seed, so machine drift hits all alike. All share one target, prepared once
+for the `engine:` params (packed linears: the AR baseline gets the verify forward's kernels).
+Outputs:
 
-  metrics/eval.json           per suite: τ (pooled) head on/off, tokens/s, speedup, exact match
-                              with AR (greedy), divergences with the target's top-2 margin,
-                              acceptance by position, per-round costs; plus the run's settings
+  metrics/eval.json           per suite: τ (pooled, with its standard error over prompts) of each
+                              mode, tokens/s, speedup, exact match with AR (greedy), divergences
+                              with the target's top-2 margin, acceptance by position, per-round
+                              costs; auto-K's measured round cost by K and what it chose; the
+                              run's settings
   plots/eval_acceptance/*.csv, plots/eval_tau.csv, plots/eval_*.png   (see eval.plots)
   one MLflow run              params, metrics `<suite>/<key>`, the PNGs and eval.json, tagged
                               with the training run id (`checkpoints/run.json: mlflow_run_id`)
@@ -17,6 +21,7 @@ goes there and its plots to `<out stem>_plots/` next to it, leaving the pipeline
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -27,9 +32,11 @@ import torch
 from dominospec.cli import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
+from dominospec.engine.configure import engine_options, prepare_target
+from dominospec.engine.policy import choose_k
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
-from dominospec.eval.report import HEAD, NO_HEAD, suite_report
+from dominospec.eval.report import HEAD, NGRAM, NO_HEAD, suite_report
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
 
@@ -59,10 +66,14 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     target = load_target(params.target)
     source = draft_dir(params.paths)
     draft = load_draft(source, target)
+    prepare_target(target, params.engine)
+    options = engine_options(params.engine)
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
-    engines = {"ar": SpecEngine(target, None, "ar"), NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft)}
+    ngram_k = cfg.num_draft if cfg.num_draft == "auto" else None  # else params.engine.ngram_num_draft
+    engines = {"ar": SpecEngine(target, None, "ar"), NGRAM: SpecEngine(target, None, NGRAM, ngram_k, options),
+               NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
-        engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft)
+        engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)
     loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
     empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
@@ -82,7 +93,10 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
         "device_name": device_name(target.device),
         "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
         "block_size": int(draft.config.block_size),
-        "num_draft": engines[spec_mode].num_draft,
+        "num_draft": engines[spec_mode].num_draft,  # K_max (auto-K chooses 0..K_max each round)
+        "num_draft_setting": cfg.num_draft,
+        "engine": dataclasses.asdict(params.engine),
+        "auto_k": {mode: auto_k_record(engine) for mode, engine in engines.items() if engine.auto},
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,
@@ -100,10 +114,29 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     pngs = write_plots(report, plots_dir)
     log_run(params, report, [out_path, *pngs])
     for name, suite in report["suites"].items():
-        print(f"{name}: τ {_fmt(suite['acceptance_length'])} (no head {_fmt(suite['acceptance_length_no_head'])}), "
-              f"AR {_fmt(suite['ar_tokens_per_s'])} tok/s, spec {_fmt(suite['spec_tokens_per_s'])} tok/s, "
-              f"speedup {_fmt(suite['speedup'])}, exact match {_fmt(suite['exact_match'])}")
+        for mode, m in suite["modes"].items():
+            print(f"{name} {mode}: τ {_fmt(m['acceptance_length'])} ± {_fmt(m['acceptance_length_se'])}, "
+                  f"{_fmt(m['tokens_per_s'])} tok/s, speedup {_fmt(m['speedup'])}, exact match {_fmt(m['exact_match'])}")
     return report
+
+
+TAUS = (1.5, 2.0, 3.0)
+
+
+def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
+    """An auto-K engine after the run -> its measured round cost by K, what that cost needs and gives, and
+    the K its last acceptance estimate chooses (eval.json `auto_k`)."""
+    cost, k_max = engine.cost, engine.num_draft
+    survival = engine.acceptance.survival()
+    over_ar = [cost.round_ms(k) / cost.round_ms(0) for k in range(k_max + 1)]
+    return {
+        "cost_ms": cost.as_dict(),  # verify[r-1]: target forward over r rows; draft forward; one chain step
+        "round_ms_by_k": [cost.round_ms(k) for k in range(k_max + 1)],
+        "round_over_ar_step_by_k": over_ar,  # = the τ a round of K drafts needs to break even
+        "speedup_at_tau_k_max": {str(t): t / over_ar[k_max] for t in TAUS},
+        "acceptance_estimate_at_end": survival,  # P(>= k drafts accepted), k = 1..K_max, recent rounds
+        "k_at_end": choose_k(cost, survival, k_max),
+    }
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,
@@ -139,7 +172,8 @@ def log_run(params: Params, report: dict[str, Any], artifacts: list[Path]) -> No
     tags = {**run_tags("evaluate"), "training_run_id": training_run_id(params) or "", "draft_dir": report["draft_dir"]}
     metrics = {}
     for suite, entry in report["suites"].items():
-        flat = {**entry, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()}}
+        flat = {**entry, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()},
+                **{f"{mode}/{k}": v for mode, m in entry["modes"].items() for k, v in m.items()}}
         numeric = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         metrics.update({f"{suite}/{k}": float(v) for k, v in numeric.items()})
     with mlflow.start_run(experiment_id=experiment, run_name="evaluate", tags=tags):

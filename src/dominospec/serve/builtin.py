@@ -101,6 +101,7 @@ def load_service(params: Params) -> "Service":
     import torch
 
     from dominospec.engine import SpecEngine, draft_dir, load_draft
+    from dominospec.engine.configure import engine_options, prepare_target
     from dominospec.serve.requests import sampling_defaults
     from dominospec.serve.service import Service
     from dominospec.serve.worker import EngineWorker
@@ -115,7 +116,9 @@ def load_service(params: Params) -> "Service":
                         "or serve the target alone with serve.mode: ar")
     target = load_target(params.target)
     draft = None if path is None else load_draft(path, target)
-    engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None)
+    prepare_target(target, params.engine)  # the same kernels for every request, spec or not
+    engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None,
+                        engine_options(params.engine))
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
     return Service(
