@@ -14,15 +14,20 @@ from engine_helpers import tiny_tokenizer
 from dominospec.engine.detok import IncrementalDetokenizer
 
 
+def decoder(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def check_pushes(tokenizer, ids: list[int], seed: int) -> None:
     rng = random.Random(seed)
-    detok, at, deltas = IncrementalDetokenizer(tokenizer), 0, []
+    detok, at, deltas = IncrementalDetokenizer(decoder(tokenizer)), 0, []
     while at < len(ids):
         step = rng.randint(1, 4)
         deltas.append(detok.push(ids[at:at + step]))
         at += step
         assert detok.text == tokenizer.decode(ids[: detok.read_offset], skip_special_tokens=True)
         assert "".join(deltas) == detok.text
+        assert detok.preview().startswith(detok.text) and "\ufffd" not in detok.preview()[-1:]
     full = tokenizer.decode(ids, skip_special_tokens=True)
     assert full.startswith(detok.text) and len(full) - len(detok.text) <= 4  # at most a held-back character
 
@@ -58,7 +63,7 @@ def test_smollm2_byte_level_bpe(smollm2_tokenizer, text):
     ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
     for seed in range(5):
         check_pushes(smollm2_tokenizer, ids, seed)
-    detok = IncrementalDetokenizer(smollm2_tokenizer)
+    detok = IncrementalDetokenizer(decoder(smollm2_tokenizer))
     for t in ids:
         detok.push([t])
     assert detok.text == smollm2_tokenizer.decode(ids, skip_special_tokens=True)

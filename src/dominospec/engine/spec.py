@@ -194,7 +194,7 @@ class SpecEngine:
         tokens: list[int] = []
         new, reason = self._admit(tokens, [first], budget)
         tokens += [first][:new]
-        detok = IncrementalDetokenizer(self.target.tokenizer) if stops else None
+        detok = IncrementalDetokenizer(self._decode) if stops else None
         streamed = 0  # tokens already handed to on_tokens
         while True:
             if state.index is not None:

@@ -1,7 +1,9 @@
 """Token ids in, text deltas out: what a streaming response sends, chunk by chunk.
 
-`TextStreamer.push(ids) -> delta` decodes everything committed so far (the same decode as the
-engine's: special tokens skipped) and returns the new text, holding back
+`TextStreamer.push(ids) -> delta` decodes the committed tokens incrementally (engine.detok: a few
+tokens per push, not the whole answer; the same decode as the engine's, special tokens skipped),
+searches the new text (plus a stop string's length before it) for stop strings, and returns the
+new text, holding back
   - a trailing U+FFFD (a character whose bytes are not all there yet), and
   - a suffix that could be the beginning of a stop string (it may be completed by the next round,
     and no text at or after a stop string may ever be sent).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.stops import cut_at_stop_string
 
 
@@ -31,19 +34,22 @@ class TextStreamer:
     """Incremental text of one generation; see the module docstring."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...] = ()):
-        self.decode, self.stops = decode, stops
-        self.tokens: list[int] = []
+        self.detok, self.stops = IncrementalDetokenizer(decode), stops
+        self.longest = max(map(len, stops), default=0)
+        self.searched = 0  # characters of the text already searched for stop strings
+        self.cut: int | None = None  # where the first stop string starts, once found
         self.sent = ""  # text already returned: always a prefix of the final text
 
     def push(self, ids: list[int]) -> str:
         """Newly committed token ids -> the text that may be sent now (possibly "")."""
-        self.tokens += ids
-        text = self.decode(self.tokens)
-        cut = cut_at_stop_string(text, self.stops) if self.stops else None
-        if cut is not None:
-            text = text[:cut]
+        self.detok.push(ids)
+        text = self.detok.preview()
+        if self.cut is None and self.stops:
+            self.cut = cut_at_stop_string(text, self.stops, max(0, self.searched - self.longest))
+            self.searched = len(self.detok.text)  # the preview's tail may still change: searched again next time
+        if self.cut is not None:  # nothing at or after the first stop string is ever sent
+            text = text[: self.cut]
         else:
-            text = text.rstrip("\ufffd")
             text = text[: len(text) - stop_prefix_length(text, self.stops)]
         return self._advance(text)
 

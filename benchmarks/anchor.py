@@ -1,0 +1,144 @@
+"""The free anchor: transformers' own prompt-lookup decoding against our engine, in one run.
+
+For the first N prompts of each suite, greedy, 2 threads, every setup runs prompt by prompt in turn:
+
+    hf generate        `model.generate(ids, max_new_tokens)` on a stock copy of the target (nn.Linear as loaded)
+    hf prompt lookup   `model.generate(ids, max_new_tokens, prompt_lookup_num_tokens=7)`, same stock copy
+    ar / ngram / domino  our engine on its own copy prepared by params `engine:` (packed linears, bf16 draft,
+                       pool, `evaluate.num_draft`); domino only with --draft DIR or --random-draft
+
+Reports per suite and setup: tokens/s (new tokens ÷ wall time, prefill included), speed-up over hf
+generate and over our ar, τ (our modes), exact match with hf generate and with our ar, and for our
+modes every divergence from our ar with the target's top-2 logit gap there (eval.report).
+
+    python benchmarks/anchor.py [--params params.yaml] [--prompts 8] [--new-tokens 128] [--dtype bfloat16]
+        [--draft DIR | --random-draft] [--suites sharegpt,humaneval] [--json out.json]
+
+--dtype bfloat16 is the bf16 target mode: every setup runs the bf16 target, exact match is then
+against bf16 AR, and the divergences' top-2 gaps show whether they happen only at near-ties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    from dominospec.config import load_params
+    from dominospec.engine import SpecEngine, draft_dir, load_draft
+    from dominospec.engine.configure import engine_options, prepare_target
+    from dominospec.eval.prompts import load_suite
+    from dominospec.eval.report import first_divergence, top2_margin
+    from dominospec.target import load_target
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", help="override target.dtype (bfloat16: the bf16 target mode)")
+    parser.add_argument("--draft", help="a trained draft dir for the domino setup")
+    parser.add_argument("--random-draft", action="store_true")
+    parser.add_argument("--suites", default="sharegpt,humaneval")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    params = load_params(args.params)
+    torch.set_num_threads(args.threads)
+    target_params = dataclasses.replace(params.target, **({"dtype": args.dtype} if args.dtype else {}))
+    stock = load_target(target_params)  # transformers as users run it
+    ours = load_target(target_params)
+    prepare_target(ours, params.engine)
+    options = engine_options(params.engine)
+    engines = {"ar": SpecEngine(ours, None, "ar"),
+               "ngram": SpecEngine(ours, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, options)}
+    if args.draft or args.random_draft:
+        if args.random_draft:
+            sys.path.insert(0, "benchmarks")
+            from round_cost import random_draft
+
+            draft = random_draft(params, ours)
+        else:
+            draft = load_draft(args.draft, ours)
+        engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
+    stops = list(engines["ar"].stop_ids)
+
+    def hf(ids: list[int], lookup: bool) -> tuple[list[int], float]:
+        x = torch.tensor([ids])
+        extra = {"prompt_lookup_num_tokens": 7} if lookup else {}
+        t0 = time.perf_counter()
+        out = stock.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens,
+                                   do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **extra)
+        seconds = time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), seconds
+
+    results = {}
+    for spec in args.suites.split(","):
+        suite = load_suite(spec, ours.tokenizer, params.paths.prepared, args.prompts, 1024)
+        with torch.inference_mode():
+            hf(suite.prompts[0], False), hf(suite.prompts[0], True)
+        for engine in engines.values():
+            engine.generate(suite.prompts[0], 8)  # warm-up (and auto-K's cost measurement)
+        hf_runs, runs = {"hf generate": [], "hf prompt lookup": []}, []
+        for i, ids in enumerate(suite.prompts):
+            with torch.inference_mode():
+                hf_runs["hf generate"].append(hf(ids, False))
+                hf_runs["hf prompt lookup"].append(hf(ids, True))
+            runs.append({mode: engine.generate(ids, args.new_tokens) for mode, engine in engines.items()})
+            print(f"[{spec} {i + 1}/{len(suite.prompts)}]", file=sys.stderr, flush=True)
+        reference = [tokens for tokens, _ in hf_runs["hf generate"]]
+        base = sum(len(t) for t, _ in hf_runs["hf generate"]) / sum(s for _, s in hf_runs["hf generate"])
+        rows = {}
+        for name, pairs in hf_runs.items():
+            tps = sum(len(t) for t, _ in pairs) / sum(s for _, s in pairs)
+            rows[name] = {"tokens_per_s": tps, "speedup_vs_hf": tps / base,
+                          "exact_vs_hf": sum(t == r for (t, _), r in zip(pairs, reference)) / len(pairs)}
+        ar_tps = None
+        for mode in engines:
+            gens = [r[mode] for r in runs]
+            tps = sum(g.stats.new_tokens for g in gens) / sum(g.stats.total_s for g in gens)
+            ar_tps = tps if mode == "ar" else ar_tps
+            rounds = sum(g.stats.rounds for g in gens)
+            rows[mode] = {"tokens_per_s": tps, "speedup_vs_hf": tps / base, "speedup_vs_ar": tps / ar_tps,
+                          "tau": sum(g.stats.round_tokens for g in gens) / rounds,
+                          "exact_vs_hf": sum(g.token_ids == r for g, r in zip(gens, reference)) / len(gens),
+                          "exact_vs_ar": sum(g.token_ids == r["ar"].token_ids for g, r in zip(gens, runs)) / len(gens)}
+        rows["divergences_from_ar"] = []
+        for i, (ids, run) in enumerate(zip(suite.prompts, runs)):
+            ref = run["ar"].token_ids
+            for mode in (m for m in run if m != "ar"):
+                at = first_divergence(ref, run[mode].token_ids)
+                if at is not None:
+                    rows["divergences_from_ar"].append({"prompt": i, "mode": mode, "position": at,
+                                                        "top2_margin": top2_margin(engines["ar"], ids + ref[:at])})
+        results[spec] = rows
+
+    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, target {target_params.dtype}, greedy, {args.prompts} prompts x "
+          f"<= {args.new_tokens} tokens, engine {dataclasses.asdict(params.engine)}, num_draft {params.evaluate.num_draft}")
+    print("| suite | setup | tokens/s | vs hf generate | vs our ar | τ | exact vs hf | exact vs our ar |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec, rows in results.items():
+        for name, r in rows.items():
+            if name == "divergences_from_ar":
+                continue
+            print(f"| {spec} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
+                  f"{r.get('speedup_vs_ar', float('nan')):.2f} | {r.get('tau', float('nan')):.2f} | "
+                  f"{r['exact_vs_hf']:.2f} | {r.get('exact_vs_ar', float('nan')):.2f} |")
+        for d in rows["divergences_from_ar"]:
+            print(f"  divergence {spec} prompt {d['prompt']} {d['mode']} at {d['position']}: top-2 gap {d['top2_margin']:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
