@@ -256,8 +256,8 @@ class SpecEngine:
         t1 = self._now()
         if K > 0 and self.mode in DRAFT_MODES:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
-                                self.mode == "domino", self.options.candidate_pool)
-            K = self._cut(chain.confidence)
+                                self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0)
+            K = self._cut(chain)
         t2 = self._now()
 
         draft_tokens = chain.tokens[:K] if K else x_start[:0]
@@ -299,12 +299,12 @@ class SpecEngine:
         z = self.draft(block, positions, target_features=features, cache=state.context)[0, :K]  # [K, H]
         return z, self.draft_lm_head(z)
 
-    def _cut(self, confidence: torch.Tensor) -> int:
-        """Draft confidences [K] -> how many drafts to verify: up to where their product drops below the cut."""
-        K = confidence.shape[0]
-        if self.options.confidence_cut <= 0:
-            return K
-        keep = torch.cumprod(confidence.float(), 0) >= self.options.confidence_cut
+    def _cut(self, chain: DraftChain) -> int:
+        """A chain of K drafts -> how many to verify: up to where the product of their draft
+        confidences drops below `confidence_cut` (all K when the cut is off)."""
+        if self.options.confidence_cut <= 0 or chain.confidence is None:
+            return chain.tokens.shape[0]
+        keep = torch.cumprod(chain.confidence.float(), 0) >= self.options.confidence_cut
         return int(keep.long().cumprod(0).sum())
 
     def _draft_probs(self, chain: Optional[DraftChain], K: int, V: int) -> torch.Tensor:
