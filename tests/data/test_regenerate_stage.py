@@ -79,6 +79,9 @@ def test_enabled_run_rewrites_train_replies_and_nothing_else(reference, smollm2_
         assert _rows(regenerated[split]) == _rows(prepared[split])
     assert meta["regenerated"] == len(train) == metrics["conversations_regenerated"]
     assert metrics["tokens_generated"] > 0 and metrics["assistant_turns_regenerated"] >= len(train)
+    capped = metrics["replies_at_max_new_tokens"] + metrics["replies_at_max_length"] + metrics["replies_loop_cut"]
+    assert 0 < capped <= metrics["assistant_turns_regenerated"]  # 8-token replies of a random model mostly hit the cap
+    assert metrics["replies_loop_cut"] == 0 and metrics["dtype"] == params.regenerate.dtype
     assert not work_dir(params.paths.regenerated).exists()  # the journal is gone once the output is written
 
 
@@ -113,6 +116,36 @@ def test_a_killed_run_resumes_to_the_same_result(reference, prepared_params):
     assert metrics["conversations_resumed"] == finished_chunks  # batch_size 1: one conversation per chunk
     for split in ("train", "val", "test"):
         assert _rows(resumed[split]) == _rows(regenerated[split])
+
+
+def test_batches_change_nothing_but_speed(prepared_params):
+    """Greedy fp32: batches of 4 over the length-sorted rows give batch 1's rows, in the original order."""
+    params, root = prepared_params
+    runs = []
+    for batch_size in (1, 4):
+        out = root / f"greedy_batch_{batch_size}"
+        greedy = {**REGENERATE, "temperature": 0.0, "dtype": "float32", "batch_size": batch_size, "max_new_tokens": 12}
+        run = load_params(write_params(root / f"greedy_{batch_size}.yaml", out, target={"model": params.target.model, "gguf_file": None},
+                                       regenerate=greedy, paths={"prepared": params.paths.prepared}))  # fmt: skip
+        regenerate(run)
+        runs.append(_rows(read_dataset(run.paths.regenerated)[0]["train"]))
+    prepared, _ = read_dataset(params.paths.prepared)
+    assert [r["id"] for r in runs[1]] == list(prepared["train"]["id"])[:6]
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [({"batch_size": 0}, "batch_size"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"loop_repeats": 1}, "loop_repeats"),
+     ({"loop_ngram": -2}, "loop_ngram"), ({"top_p": 0.0}, "top_p"), ({"max_conversations": 0}, "max_conversations")],
+)  # fmt: skip
+def test_bad_params_are_named_in_the_error(prepared_params, tmp_path, bad, key):
+    params, _ = prepared_params
+    run = load_params(write_params(tmp_path / "p.yaml", tmp_path, target={"model": params.target.model, "gguf_file": None},
+                                   regenerate={**REGENERATE, **bad}, paths={"prepared": params.paths.prepared}))  # fmt: skip
+    with pytest.raises(UserError, match=f"regenerate.*{key}"):
+        regenerate(run)
+    assert not os.path.exists(run.paths.regenerated)
 
 
 def test_disabled_run_copies_every_split_unchanged(prepared_params):

@@ -3,14 +3,17 @@
 A draft trained on the target's own replies accepts more than one trained on someone else's.
 
     disabled: paths.prepared --copy--> paths.regenerated (meta "regenerated": 0)
-    enabled:  the first `max_conversations` train conversations, in chunks of `batch_size`,
-              --rewrite_conversations--> journal --render + mask (as prepare)--> paths.regenerated
+    enabled:  the first `max_conversations` train conversations, sorted by first-prompt length
+              (little padding per batch), in chunks of `batch_size`, the target cast to `dtype`
+              --rewrite_conversations (batched KV-cache decoding)--> journal
+              --original order, render + mask (as prepare)--> paths.regenerated
               val and test are copied unchanged; train holds only the rewritten conversations.
               Renderings stop at the max_length prepare used (meta.json).
 
 Resumable: each finished chunk is one journal line in `<paths.regenerated>.work/`; a killed run
 skips the chunks already there. A chunk's RNG is seeded from (seed, chunk index) and its batch
-is always the same conversations, so a resumed run produces what an uninterrupted one would.
+is always the same conversations (the sort is a function of the data), so a resumed run produces
+what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.data.journal import Journal
-from dominospec.data.replies import rewrite_conversations
+from dominospec.data.replies import first_prompt_length, rewrite_conversations
 from dominospec.files import replace_path, temp_sibling, write_json
-from dominospec.target import Target, load_target
+from dominospec.target import DTYPES, Target, load_target
+
+COUNTS = ("replies_at_max_new_tokens", "replies_at_max_length", "replies_loop_cut")  # summed into the metrics
 
 
 def regenerate(params: Params) -> None:
@@ -58,10 +63,11 @@ def regenerate(params: Params) -> None:
             f"{params.paths.prepared} was prepared for target {meta['target']['name']}, not {target.identity.name}: "
             "re-run the prepare stage"
         )
+    target.model.to(DTYPES[cfg.dtype])
     max_length = int(meta["max_length"])
     train = splits["train"]
     count = len(train) if cfg.max_conversations is None else min(cfg.max_conversations, len(train))
-    chunks = [list(range(i, min(i + cfg.batch_size, count))) for i in range(0, count, cfg.batch_size)]
+    chunks = length_sorted_chunks(target.tokenizer, train, count, cfg.batch_size)
 
     journal = Journal(work_dir(params.paths.regenerated) / "journal.jsonl", _fingerprint(cfg, meta, train, count))
     done = journal.load()  # chunk index -> journal entries, for the chunks a killed run finished
@@ -70,7 +76,7 @@ def regenerate(params: Params) -> None:
         print(f"regenerate: resuming, {resumed}/{count} conversations already rewritten", file=sys.stderr)
     new_tokens, generation_seconds = _rewrite_chunks(target, train, chunks, cfg, max_length, journal, done)
 
-    entries = [e for c in range(len(chunks)) for e in done[c]]
+    entries = sorted((e for c in range(len(chunks)) for e in done[c]), key=lambda e: e["row"])  # original order
     new_train, skipped = _render(target.tokenizer, entries, max_length, int(meta["mask_token_id"]))
     out = DatasetDict(train=new_train, val=splits["val"], test=splits["test"])
     write_dataset(params.paths.regenerated, out, {**meta, "regenerated": len(new_train)})
@@ -83,6 +89,7 @@ def regenerate(params: Params) -> None:
             "conversations_regenerated": len(new_train),
             "conversations_resumed": resumed,
             "assistant_turns_regenerated": sum(e["assistant_turns"] for e in entries),
+            **{key: sum(e[key] for e in entries) for key in COUNTS},
             "tokens_generated": sum(e["generated_tokens"] for e in entries),
             "tokens_generated_this_run": new_tokens,
             "tokens_per_second": round(new_tokens / generation_seconds, 2) if generation_seconds else None,
@@ -90,6 +97,10 @@ def regenerate(params: Params) -> None:
             "splits": {s: len(d) for s, d in out.items()},
             "temperature": cfg.temperature,
             "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": cfg.batch_size,
+            "dtype": cfg.dtype,
+            "loop_ngram": cfg.loop_ngram or None,
+            "torch_threads": torch.get_num_threads(),
             "seconds": round(time.perf_counter() - started, 2),
         },
     )
@@ -103,19 +114,42 @@ def _rewrite_chunks(
     new_tokens, generation_seconds = 0, 0.0
     with tqdm(total=sum(map(len, chunks)), desc="regenerate", unit="conv") as bar:
         bar.update(sum(len(chunks[c]) for c in done if c < len(chunks)))
+        rate = _TokenRate(bar)
         for c, rows in enumerate(chunks):
             if c in done:
                 continue
-            torch.manual_seed(_chunk_seed(cfg.seed, c))  # the same draws whichever chunks ran before
+            generator = torch.Generator(target.device).manual_seed(_chunk_seed(cfg.seed, c))  # same draws, whatever ran before
             tick = time.perf_counter()
-            rewritten = rewrite_conversations(target, [train[i]["messages"] for i in rows], cfg, max_length)
+            conversations = [train[i]["messages"] for i in rows]
+            rewritten = rewrite_conversations(target, conversations, cfg, max_length, generator, rate.add)
             generation_seconds += time.perf_counter() - tick
-            entries = [{"id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
+            entries = [{"row": i, "id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
             journal.append(c, entries)
             done[c] = entries
             new_tokens += sum(r.generated_tokens for r in rewritten)
             bar.update(len(rows))
     return new_tokens, generation_seconds
+
+
+class _TokenRate:
+    """Generated tokens -> a `tok/s` figure on the progress bar (since the run started)."""
+
+    def __init__(self, bar: tqdm):
+        self.bar, self.tokens, self.started, self.shown = bar, 0, time.perf_counter(), 0.0
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+        now = time.perf_counter()
+        if now - self.shown >= 1.0:
+            self.bar.set_postfix(tokens=self.tokens, tok_s=f"{self.tokens / (now - self.started):.0f}", refresh=True)
+            self.shown = now
+
+
+def length_sorted_chunks(tokenizer: Any, train: Dataset, count: int, batch_size: int) -> list[list[int]]:
+    """The first `count` rows, sorted by first-prompt length (ties: row order) -> chunks of `batch_size` rows."""
+    lengths = [first_prompt_length(tokenizer, train[i]["messages"]) for i in range(count)]
+    order = sorted(range(count), key=lambda i: (lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, count, batch_size)]
 
 
 def work_dir(regenerated: str | Path) -> Path:
@@ -173,7 +207,13 @@ def _chunk_seed(seed: int, chunk: int) -> int:
 
 def _check(cfg: RegenerateParams) -> None:
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
-        raise UserError("regenerate.batch_size and regenerate.max_new_tokens must be at least 1")
+        raise UserError(
+            f"regenerate.batch_size and regenerate.max_new_tokens must be at least 1, got {cfg.batch_size}, {cfg.max_new_tokens}"
+        )
+    if cfg.loop_ngram is not None and cfg.loop_ngram < 0:
+        raise UserError(f"regenerate.loop_ngram must be null, 0 (keep loops) or a positive n-gram length, got {cfg.loop_ngram}")
+    if cfg.loop_repeats < 2:
+        raise UserError(f"regenerate.loop_repeats must be at least 2 (a loop is a recurring n-gram), got {cfg.loop_repeats}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:

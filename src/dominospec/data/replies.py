@@ -1,28 +1,34 @@
 """The target answering conversations itself: every assistant turn replaced by the target's own reply.
 
-`rewrite_conversations(target, conversations, cfg, max_length)` walks a batch of conversations
-turn by turn. At each step every conversation still going contributes its history so far
-(already rewritten assistant turns included, the next user/system messages appended) as one
-prompt; the prompts are left-padded into one batch and the target generates the replies. A
-conversation stops when it has no assistant turn left, or when its prompt has reached
-`max_length` tokens (anything later would be cut off by truncation anyway); it then ends with
-its last rewritten assistant turn.
+`rewrite_conversations(target, conversations, cfg, max_length)` decodes a batch of conversations
+together (`decoder.ReplyStream`: continuous batching, one KV slot per conversation). When a reply
+is done, its conversation appends its next user/system messages to its history, renders it with
+the generation prompt and starts its next reply at once, while the others keep decoding.
 
-Greedy when `temperature == 0`, else sampled with temperature / top_p from the global torch RNG,
-which the caller seeds.
+Earlier turns are never recomputed: each conversation keeps its KV slot between turns and feeds
+only what is new. Its context is the token sequence the target has seen and produced:
+the first prompt, each reply's tokens, and the template text between a reply and the next
+generation prompt, tokenized on its own (that text starts with the turn-closing special token,
+so the split matches the full rendering's tokens). A template that does not render the history
+as a prefix of the next prompt makes that conversation start afresh from its full rendering.
+
+A conversation stops when it has no assistant turn left, or when its context has reached
+`max_length` tokens (anything later would be cut off by truncation anyway); it then ends with its
+last rewritten assistant turn. Greedy when `temperature == 0`, else sampled from `generator`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from transformers import GenerationConfig
 
 from dominospec.config import RegenerateParams
 from dominospec.data.chat import render_text
 from dominospec.data.conversations import ASSISTANT
+from dominospec.data.decoder import DecodePolicy, Reply, ReplyStream
+from dominospec.data.kv_batch import SlotKV, grouped_attention_on
 from dominospec.target import Target
 
 
@@ -32,82 +38,99 @@ class Rewritten:
 
     messages: list[dict[str, str]] = field(default_factory=list)  # ends with an assistant turn (or is empty)
     assistant_turns: int = 0
-    generated_tokens: int = 0  # reply tokens, the stop token included where the target emitted it
+    generated_tokens: int = 0  # tokens the target generated, stop tokens and cut loops included
+    replies_at_max_new_tokens: int = 0  # replies that hit `max_new_tokens` without a stop token
+    replies_at_max_length: int = 0  # replies cut shorter by the room left before `max_length`
+    replies_loop_cut: int = 0  # replies cut by the repetition-loop detector
+
+
+@dataclass
+class _Context:
+    """What one conversation's slot stands for: the rendered text so far, and reply tokens not yet fed."""
+
+    text: str = ""
+    unfed: list[int] = field(default_factory=list)
 
 
 def rewrite_conversations(
-    target: Target, conversations: Sequence[Sequence[dict[str, str]]], cfg: RegenerateParams, max_length: int
-) -> list[Rewritten]:
+    target: Target, conversations: Sequence[Sequence[dict[str, str]]], cfg: RegenerateParams, max_length: int,
+    generator: Optional[torch.Generator] = None, on_tokens: Optional[Callable[[int], None]] = None,
+) -> list[Rewritten]:  # fmt: skip
     """Conversations (normalised messages) -> the same conversations with the target's own assistant replies."""
     tokenizer = target.tokenizer
     results = [Rewritten() for _ in conversations]
+    contexts = [_Context() for _ in conversations]
     cursor = [0] * len(conversations)  # index of the next unread source message
-    active = list(range(len(conversations)))
-    while active:
-        prompts, budgets, still = [], [], []
-        for i in active:
-            source, history = conversations[i], results[i].messages
-            while cursor[i] < len(source) and source[cursor[i]]["role"] != ASSISTANT:
-                history.append(dict(source[cursor[i]]))
-                cursor[i] += 1
-            if cursor[i] == len(source):
-                continue  # no assistant turn left
-            prompt = tokenizer(render_text(tokenizer, history, add_generation_prompt=True), add_special_tokens=False)
-            budget = min(cfg.max_new_tokens, max_length - len(prompt["input_ids"]))
-            if budget <= 0:
-                continue  # the rendering has reached max_length
-            prompts.append(prompt["input_ids"])
-            budgets.append(budget)
-            still.append(i)
-        for i, (reply, n_tokens) in zip(still, generate_replies(target, prompts, budgets, cfg)):
-            results[i].messages.append({"role": ASSISTANT, "content": reply})
-            results[i].assistant_turns += 1
-            results[i].generated_tokens += n_tokens
-            cursor[i] += 1  # past the source's assistant turn
-        active = still
+    budgets = [0] * len(conversations)
+    kv = SlotKV(target.num_layers, len(conversations), capacity=64, limit=max_length + 1)
+    stream = ReplyStream(target.model, kv, decode_policy(target, cfg), generator, on_tokens)
+
+    def next_turn(i: int) -> None:
+        """Start conversation i's next reply, or end it (no assistant turn left, or no room before max_length)."""
+        source, history, context = conversations[i], results[i].messages, contexts[i]
+        while cursor[i] < len(source) and source[cursor[i]]["role"] != ASSISTANT:
+            history.append(dict(source[cursor[i]]))
+            cursor[i] += 1
+        text = render_text(tokenizer, history, add_generation_prompt=True) if cursor[i] < len(source) else None
+        if text is not None and i in stream.slot_of and not text.startswith(context.text):
+            stream.end(i)  # a template that rewrites history: start afresh from the full rendering
+        if text is not None and i not in stream.slot_of:
+            contexts[i] = context = _Context()
+        new = [] if text is None else context.unfed + tokenizer(text[len(context.text) :], add_special_tokens=False)["input_ids"]
+        room = max_length - stream.context_length(i) - len(new)
+        if text is None or room <= 0:
+            if i in stream.slot_of:
+                stream.end(i)
+            return
+        context.text, budgets[i] = text, min(cfg.max_new_tokens, room)
+        stream.start(i, new, budgets[i])
+
+    with grouped_attention_on(target.model):
+        for i in range(len(conversations)):
+            next_turn(i)
+        while stream.running:
+            for i, reply in stream.step():
+                content = tokenizer.decode(reply.tokens, skip_special_tokens=True)
+                _count(results[i], reply, budgets[i], cfg.max_new_tokens)
+                results[i].messages.append({"role": ASSISTANT, "content": content})
+                contexts[i] = _Context(text=contexts[i].text + content, unfed=reply.unfed)
+                cursor[i] += 1  # past the source's assistant turn
+                next_turn(i)
     for r in results:  # drop the unanswered messages after the last reply
         while r.messages and r.messages[-1]["role"] != ASSISTANT:
             r.messages.pop()
     return results
 
 
-def generate_replies(
-    target: Target, prompts: list[list[int]], budgets: list[int], cfg: RegenerateParams
-) -> list[tuple[str, int]]:
-    """Prompt token ids + per-prompt token budgets -> [(reply text, tokens generated)], one batched generate."""
-    if not prompts:
-        return []
-    tokenizer, stop_ids = target.tokenizer, stop_token_ids(target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, T] left-padded
-    attention_mask = torch.zeros_like(input_ids)
-    for row, p in enumerate(prompts):
-        input_ids[row, width - len(p) :] = torch.tensor(p)
-        attention_mask[row, width - len(p) :] = 1
-    sampling = cfg.temperature > 0
-    sampling_knobs = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)  # top_k 0: no implicit top-k 50
-    generation = GenerationConfig(
-        max_new_tokens=max(budgets),
-        do_sample=sampling,
-        eos_token_id=stop_ids,
-        pad_token_id=pad_id,
-        **(sampling_knobs if sampling else {}),
+def _count(result: Rewritten, reply: Reply, budget: int, max_new_tokens: int) -> None:
+    """Add one reply to its conversation's counts."""
+    result.assistant_turns += 1
+    result.generated_tokens += reply.generated
+    capped = not reply.stopped and not reply.loop_cut and reply.generated >= budget
+    result.replies_at_max_new_tokens += capped and budget == max_new_tokens
+    result.replies_at_max_length += capped and budget < max_new_tokens
+    result.replies_loop_cut += reply.loop_cut
+
+
+def first_prompt_length(tokenizer: Any, messages: Sequence[dict[str, str]]) -> int:
+    """Normalised messages -> tokens of the first generation prompt (everything before the first reply)."""
+    first = next((k for k, m in enumerate(messages) if m["role"] == ASSISTANT), len(messages))
+    text = render_text(tokenizer, messages[:first], add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode_policy(target: Target, cfg: RegenerateParams) -> DecodePolicy:
+    """Target + regenerate params -> how replies are picked and where they stop."""
+    stop_ids = stop_token_ids(target)
+    pad_id = target.tokenizer.pad_token_id
+    return DecodePolicy(
+        stop_ids=tuple(stop_ids),
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        loop_ngram=cfg.loop_ngram or None,
+        loop_repeats=cfg.loop_repeats,
+        pad_id=stop_ids[0] if pad_id is None else pad_id,
     )
-    with torch.inference_mode():
-        out = target.model.generate(
-            input_ids=input_ids.to(target.device),
-            attention_mask=attention_mask.to(target.device),
-            generation_config=generation,
-        )
-    replies = []
-    for row, budget in enumerate(budgets):
-        new = out[row, width:].tolist()[:budget]  # [<= budget] this row's reply, padding after its stop
-        stop = next((t for t, tok in enumerate(new) if tok in stop_ids), None)
-        content = new if stop is None else new[:stop]
-        n_tokens = len(new) if stop is None else stop + 1
-        replies.append((tokenizer.decode(content, skip_special_tokens=True), n_tokens))
-    return replies
 
 
 def stop_token_ids(target: Target) -> list[int]:

@@ -1,0 +1,182 @@
+"""Continuous batched KV-cache decoding: replies start and finish at any step, one slot per key.
+
+    stream = ReplyStream(model, kv, policy, generator)
+    stream.start(key, new_tokens, budget)   # prefill the key's slot alone, then decode with the rest
+    stream.step() -> [(key, Reply)]          # one token for every running reply; the finished ones
+    stream.end(key)                          # the key is done: its slot is dropped (soon)
+
+A key (a conversation) owns one slot of `SlotKV` for its life, so its next reply continues from
+its cache. `start` prefills only the slot's new tokens, in chunks of <= `PREFILL_TOKENS` (no
+padding; batch 1); `step` picks the next token of every running reply from the last logits
+([S, V]: greedy when `policy.temperature == 0`, else temperature then top_p, HF's order, drawn
+from `generator`), ends the replies that hit a stop token, their budget, or a repetition loop
+(`loops.py`), and feeds the others' tokens in one forward of all slots. Slots of ended keys
+are dropped once they are an eighth of the batch, so they soon stop costing compute.
+
+Prefill runs per slot on purpose: on the 2-core CPU a right-aligned batched prefill spent most
+of its time on padding (ShareGPT prompt lengths vary 10×). On a GPU, with many short first
+turns, these serial batch-1 forwards are launch-bound; a batched first-turn prefill would help there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional
+
+import torch
+
+from dominospec.data.kv_batch import SlotKV
+from dominospec.data.loops import LoopDetector
+
+PREFILL_TOKENS = 1024  # tokens per prefill forward: bounds the [1, H, q, C] attention scores
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """How replies are picked and where they stop."""
+
+    stop_ids: tuple[int, ...]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    loop_ngram: Optional[int] = None  # None: keep repetition loops
+    loop_repeats: int = 3
+    pad_id: int = 0
+
+
+@dataclass
+class Reply:
+    """One finished reply."""
+
+    tokens: list[int]  # the reply's content: stop token excluded, cut before a loop's second copy
+    generated: int  # tokens the target generated for it (stop token and cut tokens included)
+    stopped: bool  # ended on a stop token
+    loop_cut: bool  # cut by the loop detector
+    unfed: list[int]  # tail of `tokens` not in the slot's cache (the last token of a capped reply)
+
+
+@dataclass
+class _Running:
+    budget: int
+    loops: LoopDetector
+    tokens: list[int] = field(default_factory=list)
+
+
+class ReplyStream:
+    """Replies of many keys decoded together (see the module doc)."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv: SlotKV, policy: DecodePolicy, generator: Optional[torch.Generator] = None,
+        on_tokens: Optional[Callable[[int], None]] = None,
+    ):  # fmt: skip
+        self.model, self.kv, self.policy, self.generator, self.on_tokens = model, kv, policy, generator, on_tokens
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.keys: list[Optional[Hashable]] = [None] * kv.slots  # slot -> key (None: free)
+        self.slot_of: dict[Hashable, int] = {}
+        self.running: dict[int, _Running] = {}  # slot -> its reply in progress
+        self.logits: Optional[torch.Tensor] = None  # [S, V] next-token logits of each running slot
+
+    def start(self, key: Hashable, new_tokens: list[int], budget: int) -> None:
+        """Append `new_tokens` to the key's slot (a free one for a new key) and begin a reply of <= `budget` tokens."""
+        assert new_tokens and budget >= 1 and key not in {self.keys[s] for s in self.running}
+        if key not in self.slot_of:
+            self.slot_of[key] = slot = self.keys.index(None)
+            self.keys[slot] = key
+            self.kv.clear(slot)
+        slot = self.slot_of[key]
+        for start in range(0, len(new_tokens), PREFILL_TOKENS):
+            chunk = torch.tensor(new_tokens[start : start + PREFILL_TOKENS], dtype=torch.long)[None, :]  # [1, q]
+            positions, mask = self.kv.prefill_slot(slot, chunk.shape[1], self.dtype)
+            logits = self._forward(chunk, positions, mask)  # [1, V]
+            self.kv.advance(torch.tensor([slot]), chunk.shape[1])
+        if self.logits is None:
+            self.logits = logits.new_zeros(self.kv.slots, logits.shape[1])
+        self.logits[slot] = logits[0]
+        self.running[slot] = _Running(budget, LoopDetector(self.policy.loop_ngram, self.policy.loop_repeats))
+
+    def step(self) -> list[tuple[Hashable, Reply]]:
+        """One token for every running reply -> the replies that finished, with their keys."""
+        slots = sorted(self.running)
+        if not slots:
+            return []
+        picked = next_tokens(self.logits[slots], self.policy, self.generator).tolist()  # [R]
+        finished, going = [], []
+        for slot, token in zip(slots, picked):
+            reply = self._push(slot, token)
+            if reply is None:
+                going.append((slot, token))
+            else:
+                finished.append((self.keys[slot], reply))
+        if self.on_tokens is not None:
+            self.on_tokens(len(slots))
+        if going:
+            ids = torch.full((self.kv.slots, 1), self.policy.pad_id, dtype=torch.long)  # [S, 1]; idle slots: padding
+            for slot, token in going:
+                ids[slot, 0] = token
+            positions, mask = self.kv.decode_all(self.dtype)
+            logits = self._forward(ids, positions, mask)  # [S, V]
+            index = torch.tensor([s for s, _ in going])
+            self.logits[index.to(self.device)] = logits[index.to(self.device)]
+            self.kv.advance(index, 1)  # idle slots wrote a column past their length: overwritten later
+        return finished
+
+    def context_length(self, key: Hashable) -> int:
+        """Tokens in the key's slot (0 without one)."""
+        return int(self.kv.lengths[self.slot_of[key]]) if key in self.slot_of else 0
+
+    def end(self, key: Hashable) -> None:
+        """The key has no more replies: free its slot; compact once an eighth of the slots are free."""
+        slot = self.slot_of.pop(key)
+        self.keys[slot] = None
+        free = self.keys.count(None)
+        if free == len(self.keys) or free < max(1, len(self.keys) // 8):
+            return
+        keep = [s for s, k in enumerate(self.keys) if k is not None]
+        self.kv.keep(keep)
+        self.logits = self.logits[keep] if self.logits is not None else None
+        self.running = {keep.index(s): r for s, r in self.running.items()}
+        self.keys = [self.keys[s] for s in keep]
+        self.slot_of = {k: s for s, k in enumerate(self.keys)}
+
+    def _push(self, slot: int, token: int) -> Optional[Reply]:
+        """One picked token of a running reply -> the Reply when it ends here, else None."""
+        run = self.running[slot]
+        run.tokens.append(token)
+        stopped = token in self.policy.stop_ids
+        cut = None if stopped else run.loops.push(token)
+        if not (stopped or cut is not None or len(run.tokens) >= run.budget):
+            return None
+        del self.running[slot]
+        fed = len(run.tokens) - 1  # the token just picked was never fed
+        if stopped:
+            tokens, unfed = run.tokens[:-1], []
+        elif cut is not None:
+            tokens, unfed = run.tokens[:cut], []
+            self.kv.forget_last(slot, fed - cut)  # tokens past the cut leave the cache
+        else:
+            tokens, unfed = run.tokens, run.tokens[-1:]
+        return Reply(tokens=tokens, generated=len(run.tokens), stopped=stopped, loop_cut=cut is not None, unfed=unfed)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """ids [R, q] -> logits of the last column [R, V] (float32, on the model's device)."""
+        last = torch.tensor([ids.shape[1] - 1], device=self.device)  # an index, not `1`: HF's `[:, -1:]` slice is
+        # a strided view, and a bf16 lm_head on it expands the [V, H] weight per row on CPU
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device), cache=self.kv, use_cache=True, logits_to_keep=last,
+            )  # fmt: skip
+        return out.logits[:, -1].float()
+
+
+def next_tokens(logits: torch.Tensor, policy: DecodePolicy, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """logits [R, V] -> next token ids [R]: argmax, or a draw after temperature and top_p."""
+    if policy.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / policy.temperature
+    if policy.top_p < 1:
+        ordered, order = logits.sort(-1)  # ascending, as HF's TopPLogitsWarper
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - policy.top_p  # [R, V] the low tail outside top_p
+        drop[:, -1] = False  # keep at least the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
