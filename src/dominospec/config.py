@@ -76,6 +76,8 @@ class RegenerateParams:
 
     enabled: bool
     max_conversations: Optional[int]
+    max_val_conversations: Optional[int]  # val conversations rewritten too (0: val copied unchanged)
+    max_turns: Optional[int]  # assistant turns kept and rewritten per conversation (null: all)
     max_new_tokens: int
     temperature: float
     top_p: float

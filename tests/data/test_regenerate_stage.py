@@ -93,7 +93,7 @@ def test_a_killed_run_resumes_to_the_same_result(reference, prepared_params):
     params_file = write_params(root / "second.yaml", second, target={"model": params.target.model, "gguf_file": None},
                                regenerate=REGENERATE,
                                paths={"prepared": params.paths.prepared})  # fmt: skip
-    journal = work_dir(second / "data" / "regenerated") / "journal.jsonl"
+    journal = work_dir(second / "data" / "regenerated") / "journal-train.jsonl"
     run = subprocess.Popen([sys.executable, "pipeline/regenerate.py", "--params", str(params_file)], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
@@ -137,7 +137,8 @@ def test_batches_change_nothing_but_speed(prepared_params):
 @pytest.mark.parametrize(
     "bad, key",
     [({"batch_size": 0}, "batch_size"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"loop_repeats": 1}, "loop_repeats"),
-     ({"loop_ngram": -2}, "loop_ngram"), ({"top_p": 0.0}, "top_p"), ({"max_conversations": 0}, "max_conversations")],
+     ({"loop_ngram": -2}, "loop_ngram"), ({"top_p": 0.0}, "top_p"), ({"max_conversations": 0}, "max_conversations"),
+     ({"max_turns": 0}, "max_turns"), ({"max_val_conversations": -1}, "max_val_conversations")],
 )  # fmt: skip
 def test_bad_params_are_named_in_the_error(prepared_params, tmp_path, bad, key):
     params, _ = prepared_params
@@ -146,6 +147,31 @@ def test_bad_params_are_named_in_the_error(prepared_params, tmp_path, bad, key):
     with pytest.raises(UserError, match=f"regenerate.*{key}"):
         regenerate(run)
     assert not os.path.exists(run.paths.regenerated)
+
+
+def test_val_is_rewritten_on_request_and_max_turns_keeps_the_first_turns(prepared_params):
+    """max_val_conversations: val holds the target's own replies (for the train stage's engine walk);
+    max_turns 1: every rewritten conversation ends after its first assistant turn."""
+    params, root = prepared_params
+    out = root / "val_and_turns"
+    run = load_params(write_params(root / "val_turns.yaml", out, target={"model": params.target.model, "gguf_file": None},
+                                   regenerate={**REGENERATE, "max_val_conversations": 2, "max_turns": 1},
+                                   paths={"prepared": params.paths.prepared}))  # fmt: skip
+    regenerate(run)
+    prepared, _ = read_dataset(params.paths.prepared)
+    regenerated, meta = read_dataset(run.paths.regenerated)
+    metrics = json.loads((out / "metrics" / "regenerate.json").read_text())
+    val = _rows(regenerated["val"])
+    assert [r["id"] for r in val] == list(prepared["val"]["id"])[:2]
+    originals = {r["id"]: r for r in _rows(prepared["val"])}
+    for row in val + _rows(regenerated["train"]):
+        roles = [m["role"] for m in row["messages"]]
+        assert roles.count("assistant") == 1 and roles[-1] == "assistant"
+    for row in val:
+        first_reply = next(m["content"] for m in originals[row["id"]]["messages"] if m["role"] == "assistant")
+        assert row["messages"][-1]["content"] != first_reply
+    assert _rows(regenerated["test"]) == _rows(prepared["test"])
+    assert meta["regenerated_val"] == 2 and metrics["val"]["conversations"] == 2 and metrics["max_turns"] == 1
 
 
 def test_disabled_run_copies_every_split_unchanged(prepared_params):

@@ -52,6 +52,7 @@ def test_dvc_repro_runs_every_stage_on_a_tiny_setup(tmp_path):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["target"].update(model=str(target), gguf_file=None, device="cpu")
     raw["prepare"].update(source=str(FIXTURE), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
+    raw["regenerate"].update(max_new_tokens=16, batch_size=4)  # enabled as in the default: train and val rewritten
     raw["cache"].update(num_feature_layers=2, max_train_conversations=None, max_val_conversations=None)
     raw["draft"].update(block_size=4, gru_hidden_dim=16, emb_dim=8)
     raw["train"].update(max_steps=4, batch_size=2, num_anchors=4, val_every_steps=4, checkpoint_every_steps=2,

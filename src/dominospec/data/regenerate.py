@@ -7,7 +7,10 @@ A draft trained on the target's own replies accepts more than one trained on som
               (little padding per batch), in chunks of `batch_size`, the target cast to `dtype`
               --rewrite_conversations (batched KV-cache decoding)--> journal
               --original order, render + mask (as prepare)--> paths.regenerated
-              val and test are copied unchanged; train holds only the rewritten conversations.
+              the first `max_val_conversations` of val the same way (0: val copied unchanged), so the
+              train stage's engine walk measures τ on the target's own replies; test is copied
+              unchanged; train (and a rewritten val) hold only the rewritten conversations.
+              `max_turns` keeps the first n assistant turns of each conversation (null: all).
               Renderings stop at the max_length prepare used (meta.json).
 
 Resumable: each finished chunk is one journal line in `<paths.regenerated>.work/`; a killed run
@@ -65,35 +68,38 @@ def regenerate(params: Params) -> None:
         )
     target.model.to(DTYPES[cfg.dtype])
     max_length = int(meta["max_length"])
-    train = splits["train"]
-    count = len(train) if cfg.max_conversations is None else min(cfg.max_conversations, len(train))
-    chunks = length_sorted_chunks(target.tokenizer, train, count, cfg.batch_size)
-
-    journal = Journal(work_dir(params.paths.regenerated) / "journal.jsonl", _fingerprint(cfg, meta, train, count))
-    done = journal.load()  # chunk index -> journal entries, for the chunks a killed run finished
-    resumed = sum(len(chunks[c]) for c in done if c < len(chunks))
-    if done:
-        print(f"regenerate: resuming, {resumed}/{count} conversations already rewritten", file=sys.stderr)
-    new_tokens, generation_seconds = _rewrite_chunks(target, train, chunks, cfg, max_length, journal, done)
-
-    entries = sorted((e for c in range(len(chunks)) for e in done[c]), key=lambda e: e["row"])  # original order
-    new_train, skipped = _render(target.tokenizer, entries, max_length, int(meta["mask_token_id"]))
-    out = DatasetDict(train=new_train, val=splits["val"], test=splits["test"])
-    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": len(new_train)})
-    journal.remove()
+    mask_token_id = int(meta["mask_token_id"])
+    out, report = dict(splits), {}
+    # train: the draft learns the target's replies; val: the train stage's engine walk
+    # (val_walk_acceptance_length) then measures τ on the target's own replies, as evaluate does.
+    for split, limit in (("train", cfg.max_conversations), ("val", cfg.max_val_conversations)):
+        if split == "val" and not limit:
+            continue  # val copied unchanged
+        out[split], report[split] = _regenerate_split(target, params, meta, splits[split], split, limit, max_length,
+                                                      mask_token_id)
+    out = DatasetDict(out)
+    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": len(out["train"]),
+                                                  "regenerated_val": len(out["val"]) if "val" in report else 0})
     shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
+    train_report = report["train"]
+    entries = train_report.pop("entries")
+    val_report = report.get("val")
+    if val_report is not None:
+        val_report.pop("entries")
     write_json(
         metrics_path,
         {
             "enabled": True,
-            "conversations_regenerated": len(new_train),
-            "conversations_resumed": resumed,
+            "conversations_regenerated": len(out["train"]),
+            "conversations_resumed": train_report["resumed"],
             "assistant_turns_regenerated": sum(e["assistant_turns"] for e in entries),
             **{key: sum(e[key] for e in entries) for key in COUNTS},
             "tokens_generated": sum(e["generated_tokens"] for e in entries),
-            "tokens_generated_this_run": new_tokens,
-            "tokens_per_second": round(new_tokens / generation_seconds, 2) if generation_seconds else None,
-            "skipped": dict(sorted(skipped.items())),
+            "tokens_generated_this_run": train_report["new_tokens"],
+            "tokens_per_second": train_report["tokens_per_second"],
+            "skipped": train_report["skipped"],
+            "val": val_report,  # the val split rewritten too (regenerate.max_val_conversations), or null
+            "max_turns": cfg.max_turns,
             "splits": {s: len(d) for s, d in out.items()},
             "temperature": cfg.temperature,
             "max_new_tokens": cfg.max_new_tokens,
@@ -106,21 +112,62 @@ def regenerate(params: Params) -> None:
     )
 
 
+def _regenerate_split(
+    target: Target, params: Params, meta: dict[str, Any], data: Dataset, split: str, limit: Any, max_length: int,
+    mask_token_id: int,
+) -> tuple[Dataset, dict[str, Any]]:  # fmt: skip
+    """The first `limit` conversations of one split -> (the rewritten split, its report with the entries)."""
+    cfg = params.regenerate
+    count = len(data) if limit is None else min(limit, len(data))
+    chunks = length_sorted_chunks(target.tokenizer, data, count, cfg.batch_size)
+    journal = Journal(work_dir(params.paths.regenerated) / f"journal-{split}.jsonl",
+                      {**_fingerprint(cfg, meta, data, count), "split": split})
+    done = journal.load()  # chunk index -> journal entries, for the chunks a killed run finished
+    resumed = sum(len(chunks[c]) for c in done if c < len(chunks))
+    if done:
+        print(f"regenerate: resuming {split}, {resumed}/{count} conversations already rewritten", file=sys.stderr)
+    new_tokens, seconds = _rewrite_chunks(target, data, chunks, cfg, max_length, journal, done, split)
+    entries = sorted((e for c in range(len(chunks)) for e in done[c]), key=lambda e: e["row"])  # original order
+    rewritten, skipped = _render(target.tokenizer, entries, max_length, mask_token_id)
+    journal.remove()
+    return rewritten, {
+        "entries": entries, "resumed": resumed, "new_tokens": new_tokens,
+        "conversations": len(rewritten), "tokens_generated": sum(e["generated_tokens"] for e in entries),
+        "tokens_per_second": round(new_tokens / seconds, 2) if seconds else None,
+        "skipped": dict(sorted(skipped.items())),
+    }
+
+
+def first_turns(messages: list[dict[str, str]], max_turns: Any) -> list[dict[str, str]]:
+    """Messages -> those before the (max_turns + 1)-th assistant turn (all when max_turns is null)."""
+    if not max_turns:
+        return list(messages)
+    out, turns = [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            if turns == max_turns:
+                break
+            turns += 1
+        out.append(m)
+    return out
+
+
 def _rewrite_chunks(
     target: Target, train: Dataset, chunks: list[list[int]], cfg: RegenerateParams, max_length: int,
-    journal: Journal, done: dict[int, list[Any]],
+    journal: Journal, done: dict[int, list[Any]], split: str = "train",
 ) -> tuple[int, float]:  # fmt: skip
     """Rewrite every chunk not in `done`, journaling each; fills `done` -> (tokens generated, generation seconds)."""
     new_tokens, generation_seconds = 0, 0.0
-    with tqdm(total=sum(map(len, chunks)), desc="regenerate", unit="conv") as bar:
+    with tqdm(total=sum(map(len, chunks)), desc=f"regenerate {split}", unit="conv") as bar:
         bar.update(sum(len(chunks[c]) for c in done if c < len(chunks)))
         rate = _TokenRate(bar)
         for c, rows in enumerate(chunks):
             if c in done:
                 continue
-            generator = torch.Generator(target.device).manual_seed(_chunk_seed(cfg.seed, c))  # same draws, whatever ran before
+            seed = _chunk_seed(cfg.seed, c) if split == "train" else _chunk_seed(cfg.seed, f"{split}:{c}")
+            generator = torch.Generator(target.device).manual_seed(seed)  # same draws, whatever ran before
             tick = time.perf_counter()
-            conversations = [train[i]["messages"] for i in rows]
+            conversations = [first_turns(train[i]["messages"], cfg.max_turns) for i in rows]
             rewritten = rewrite_conversations(target, conversations, cfg, max_length, generator, rate.add)
             generation_seconds += time.perf_counter() - tick
             entries = [{"row": i, "id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
@@ -201,7 +248,7 @@ def _fingerprint(cfg: RegenerateParams, meta: dict[str, Any], train: Dataset, co
     return {"regenerate": dataclasses.asdict(cfg), "prepared_meta": meta, "train_rows": h.hexdigest()}
 
 
-def _chunk_seed(seed: int, chunk: int) -> int:
+def _chunk_seed(seed: int, chunk: Any) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{chunk}".encode()).digest()[:7], "big")
 
 
@@ -214,6 +261,10 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.loop_ngram must be null, 0 (keep loops) or a positive n-gram length, got {cfg.loop_ngram}")
     if cfg.loop_repeats < 2:
         raise UserError(f"regenerate.loop_repeats must be at least 2 (a loop is a recurring n-gram), got {cfg.loop_repeats}")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise UserError(f"regenerate.max_turns must be at least 1 or null (all turns), got {cfg.max_turns}")
+    if cfg.max_val_conversations is not None and cfg.max_val_conversations < 0:
+        raise UserError(f"regenerate.max_val_conversations must be >= 0 (0 = copy val unchanged), got {cfg.max_val_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
