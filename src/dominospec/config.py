@@ -86,6 +86,7 @@ class RegenerateParams:
     dtype: Literal["float32", "bfloat16", "float16"]  # regeneration compute dtype (the target is cast to it)
     loop_ngram: Optional[int]  # None/0: keep repetition loops; n: cut a reply once an n-gram recurs
     loop_repeats: int  # ... `loop_repeats` times (>= 2); the reply keeps one copy of the loop
+    num_threads: Optional[int]  # torch CPU threads while regenerating; null = torch's default
 
 
 @dataclass(frozen=True)

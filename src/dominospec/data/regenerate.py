@@ -60,6 +60,8 @@ def regenerate(params: Params) -> None:
         write_json(metrics_path, {**summary, "seconds": round(time.perf_counter() - started, 2)})
         return
     _check(cfg)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     target = load_target(params.target)
     if not target.identity.same_model(meta["target"]):
         raise UserError(
@@ -261,6 +263,8 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.loop_ngram must be null, 0 (keep loops) or a positive n-gram length, got {cfg.loop_ngram}")
     if cfg.loop_repeats < 2:
         raise UserError(f"regenerate.loop_repeats must be at least 2 (a loop is a recurring n-gram), got {cfg.loop_repeats}")
+    if cfg.num_threads is not None and cfg.num_threads < 1:
+        raise UserError(f"regenerate.num_threads must be at least 1 or null (torch's default), got {cfg.num_threads}")
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise UserError(f"regenerate.max_turns must be at least 1 or null (all turns), got {cfg.max_turns}")
     if cfg.max_val_conversations is not None and cfg.max_val_conversations < 0:
