@@ -19,8 +19,9 @@ from dominospec.data.dataset import read_dataset
 from dominospec.data.prepare import prepare
 from dominospec.data.regenerate import regenerate, work_dir
 
-REGENERATE = {"enabled": True, "max_conversations": 6, "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95,
-              "batch_size": 1, "seed": 3}  # fmt: skip
+REGENERATE = {"enabled": True, "max_conversations": 6, "max_val_conversations": 0, "max_turns": None,
+              "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95, "batch_size": 1, "seed": 3,
+              "num_threads": None}  # fmt: skip
 
 
 def _rows(split) -> list[dict]:
