@@ -60,3 +60,19 @@ def test_accepting_drafts_raise_k_to_the_maximum():
         k = choose_k(FLAT, model.survival(), 7)
         model.update(k, k)  # every proposed draft accepted
     assert choose_k(FLAT, model.survival(), 7) == 7
+
+
+def test_auto_k_sampled_answers_reproduce_by_seed(target, draft):
+    """K follows only the generation's own rounds (and the cost measured once): a seed reproduces."""
+    from engine_helpers import random_prompts
+
+    from dominospec.engine import Sampling, SpecEngine
+
+    engine = SpecEngine(target, draft, "domino", "auto")
+    sampling = Sampling(temperature=1.0)
+    for prompt in random_prompts(4, 8, seed=3):
+        first = engine.generate(prompt, 20, sampling, seed=11)
+        engine.generate(prompt[::-1], 20, sampling, seed=5)  # other traffic in between
+        again = engine.generate(prompt, 20, sampling, seed=11)
+        assert again.token_ids == first.token_ids
+        assert again.stats.accepted_lengths == first.stats.accepted_lengths

@@ -7,7 +7,9 @@ policy picks K = argmax_K E(K) / C(K) over 0..K_max, so it verifies fewer drafts
 the recent rounds accepted little, and it stops paying for the draft forward at all when even
 K = 1 would not beat a plain step: prompt lookup's fallback, for a draft.
 
-Acceptance is estimated by position from decayed counts over the recent rounds (a window of W
+Acceptance is estimated by position from decayed counts over the generation's recent rounds
+(the engine starts every generation from the prior, so that K, and with it a seeded sampled
+answer, does not depend on earlier requests; a window of W
 rounds: every round multiplies the counts by 1 - 1/W, so plain steps let old evidence fade):
 rho_k = P(d_k accepted | d_1..d_{k-1} accepted) = (hit_k + w * prior_k) / (tried_k + w), with
 prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good as the one before

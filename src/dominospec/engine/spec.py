@@ -77,7 +77,8 @@ class SpecEngine:
 
     `num_draft` = K, the draft tokens verified per round, 1..B (None: B-1; in `ngram`
     `ngram_num_draft`), or "auto": K in 0..B-1 chosen every round by the policy (engine.policy),
-    from the round cost measured on the first prompt (`calibrate`) and the recent acceptance.
+    from the round cost measured on the first prompt (`calibrate`) and the acceptance of the
+    generation's recent rounds.
     """
 
     def __init__(self, target: Target, draft: Optional[DFlashDraftModel], mode: str,
@@ -170,6 +171,9 @@ class SpecEngine:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if self.auto and self.cost is None:
             self.calibrate(prompt.tolist())
+        # Auto-K learns acceptance afresh in every generation: K then depends only on this
+        # generation's rounds (and the fixed cost table), so a seed reproduces a sampled answer.
+        self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
         budget = min(max_new_tokens, self.max_positions - T)
         generator = torch.Generator(device=self.device)
         if seed is not None:

@@ -40,8 +40,9 @@ def check_serve_params(cfg: ServeParams) -> None:
         problems.append(f"serve.default_max_tokens ({cfg.default_max_tokens}) exceeds serve.max_tokens_limit "
                         f"({cfg.max_tokens_limit})")
     for key in ("num_draft", "num_threads"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            problems.append(f"serve.{key} must be >= 1 or null, got {getattr(cfg, key)}")
+        value = getattr(cfg, key)
+        if value is not None and value != "auto" and value < 1:
+            problems.append(f"serve.{key} must be >= 1{', auto' if key == 'num_draft' else ''} or null, got {value}")
     if not cfg.api_key_env:
         problems.append("serve.api_key_env must name an environment variable")
     if problems:
