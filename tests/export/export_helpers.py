@@ -82,3 +82,19 @@ def make_project(root: Path, target_dir: Path, identity: dict, seed: int = 0, dr
 
 __all__ = ["save_tiny_target", "target_params", "make_project", "save_checkpoint", "draft_kwargs",
            "write_export_params", "BLOCK", "LAYER_IDS", "MASK"]
+
+
+def edit_config(directory: Path, edit) -> None:
+    """Apply `edit` (dict -> None) to an export's config.json in place (negative cases)."""
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(directory: Path, edit) -> None:
+    """Apply `edit` (name -> tensor dict -> None) to an export's model.safetensors in place."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")

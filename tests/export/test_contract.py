@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from export_helpers import edit_config, edit_tensors
 
 from dominospec.export import check_export_dir
 
@@ -111,67 +111,55 @@ def test_the_export_passes_its_own_validator(exported):
     assert check_export_dir(exported.paths.draft) == []
 
 
-def _edit_config(d: Path, edit) -> None:
-    config = json.loads((d / "config.json").read_text())
-    edit(config)
-    (d / "config.json").write_text(json.dumps(config))
-
-
-def _edit_tensors(d: Path, edit) -> None:
-    tensors = load_file(d / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, d / "model.safetensors")
-
-
 @pytest.mark.parametrize("key", ["use_gemma_norm", "is_causal", "partial_rotary_factor", "rope_is_neox_style",
                                  "is_neox_style", "rope_scaling", "quantization_config", "has_embed_tokens"])
 def test_validator_refuses_keys_that_make_sglang_build_another_draft(exported, tmp_path, key):
     """SGLang reads each of these and silently builds another norm, attention, RoPE or layer type."""
     broken = tmp_path / "draft"
     shutil.copytree(exported.paths.draft, broken)
-    _edit_config(broken, lambda c: c.update({key: True}))
+    edit_config(broken, lambda c: c.update({key: True}))
     assert f"{key} must be absent (SGLang would build another draft), got True" in check_export_dir(broken)
 
 
 @pytest.mark.parametrize(
     "breakage, problem",
     [
-        (lambda d: _edit_tensors(d, lambda t: t.update({"fc.weight": t["fc.weight"].float()})),
+        (lambda d: edit_tensors(d, lambda t: t.update({"fc.weight": t["fc.weight"].float()})),
          "tensor fc.weight is F32, expected BF16"),
-        (lambda d: _edit_tensors(d, lambda t: t.update({"lm_head.weight": torch.zeros(300, 32, dtype=torch.bfloat16)})),
+        (lambda d: edit_tensors(d, lambda t: t.update({"lm_head.weight": torch.zeros(300, 32, dtype=torch.bfloat16)})),
          "unexpected tensor lm_head.weight"),
-        (lambda d: _edit_tensors(d, lambda t: t.pop("prefix_gru.weight_hh_l0")),
+        (lambda d: edit_tensors(d, lambda t: t.pop("prefix_gru.weight_hh_l0")),
          "tensor prefix_gru.weight_hh_l0 is missing"),
-        (lambda d: _edit_tensors(d, lambda t: t.update({"embed_proj.2.weight": t["embed_proj.2.weight"].t().contiguous()})),
+        (lambda d: edit_tensors(d, lambda t: t.update({"embed_proj.2.weight": t["embed_proj.2.weight"].t().contiguous()})),
          r"tensor embed_proj.2.weight has shape \[8, 300\], expected \[300, 8\]"),
-        (lambda d: _edit_config(d, lambda c: c.update(auto_map={"AutoModel": "domino.DominoDraftModel"})),
+        (lambda d: edit_config(d, lambda c: c.update(auto_map={"AutoModel": "domino.DominoDraftModel"})),
          "auto_map must be absent"),
-        (lambda d: _edit_config(d, lambda c: c.update(emb_dim=16)),
+        (lambda d: edit_config(d, lambda c: c.update(emb_dim=16)),
          "top-level emb_dim 16 must equal dflash_config.emb_dim 8"),
-        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(shift_label=False)),
+        (lambda d: edit_config(d, lambda c: c["dflash_config"].update(shift_label=False)),
          "dflash_config.shift_label must be true"),
-        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(pure_draft_prefix_len=2)),
+        (lambda d: edit_config(d, lambda c: c["dflash_config"].update(pure_draft_prefix_len=2)),
          "dflash_config.pure_draft_prefix_len must be 1"),
-        (lambda d: _edit_config(d, lambda c: c.update(architectures=["DominoDraftModel"])),
+        (lambda d: edit_config(d, lambda c: c.update(architectures=["DominoDraftModel"])),
          "architectures must be"),
-        (lambda d: _edit_config(d, lambda c: c.update(torch_dtype="float32")),
+        (lambda d: edit_config(d, lambda c: c.update(torch_dtype="float32")),
          "torch_dtype must be 'bfloat16'"),
-        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(target_layer_ids=[1, 6])),
+        (lambda d: edit_config(d, lambda c: c["dflash_config"].update(target_layer_ids=[1, 6])),
          "target_layer_ids"),
-        (lambda d: _edit_config(d, lambda c: c.pop("target")),
+        (lambda d: edit_config(d, lambda c: c.pop("target")),
          "target must record the target's identity"),
         # SGLang refuses any activation but silu (and swigluoai, which our draft is not)
-        (lambda d: _edit_config(d, lambda c: c.update(hidden_act="gelu")),
+        (lambda d: edit_config(d, lambda c: c.update(hidden_act="gelu")),
          "hidden_act must be 'silu', got 'gelu'"),
-        (lambda d: _edit_config(d, lambda c: c.pop("hidden_act")),
+        (lambda d: edit_config(d, lambda c: c.pop("hidden_act")),
          "hidden_act must be 'silu', got None"),
         # SGLang builds q/k/v biases no tensor fills: silent garbage
-        (lambda d: _edit_config(d, lambda c: c.update(attention_bias=True)),
+        (lambda d: edit_config(d, lambda c: c.update(attention_bias=True)),
          "attention_bias must be false, got true"),
-        (lambda d: _edit_config(d, lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        (lambda d: edit_config(d, lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
          "rope_parameters must be absent or"),
         # head tensors without projector_type "domino": SGLang refuses them
-        (lambda d: _edit_config(d, lambda c: (c.pop("emb_dim"), c.update(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]}))),
+        (lambda d: edit_config(d, lambda c: (c.pop("emb_dim"), c.update(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]}))),
          "unexpected tensor prefix_gru.weight_ih_l0"),
     ],
 )

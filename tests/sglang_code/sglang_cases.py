@@ -6,7 +6,6 @@ would be found as the `sglang` namespace package (`find_spec("sglang")` in serve
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -14,12 +13,11 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests" / "export"))
-from export_helpers import save_checkpoint  # noqa: E402
+from export_helpers import edit_config, edit_tensors, save_checkpoint  # noqa: E402
 
 TINY_TARGET = {"name": "tiny-target", "sha256": "0" * 64}
 ROPE_THETA = 12345.0  # neither SGLang's nor transformers' default: a theta read from the wrong key shows
@@ -55,18 +53,6 @@ def export_tiny(directory: Path, seed: int, **overrides) -> Path:
     exported = export_config(trained.config)
     write_draft_dir(directory, exported, export_tensors(trained.tensors, exported))
     return directory
-
-
-def edit_config(directory: Path, edit) -> None:
-    config = json.loads((directory / "config.json").read_text())
-    edit(config)
-    (directory / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(directory: Path, edit) -> None:
-    tensors = load_file(directory / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors")
 
 
 def _to_dflash(config: dict) -> None:

@@ -64,15 +64,24 @@ BROKEN_PROBLEMS = {
 }
 
 
-@pytest.fixture(params=LOADABLE)
-def case(request, exports, sglang_views):
+def _case(name, exports, sglang_views):
     """(name, export dir, SGLang's view, our config) of one loadable export."""
-    name = request.param
     if name not in exports:
         pytest.skip("no real export: params.yaml's paths.draft has no config.json (run `make repro`)")
     view = sglang_views[name]
     assert view["error"] is None, view.get("traceback")
     return name, exports[name], view, DominoDraftConfig.from_pretrained(exports[name])
+
+
+@pytest.fixture(params=LOADABLE)
+def case(request, exports, sglang_views):
+    return _case(request.param, exports, sglang_views)
+
+
+@pytest.fixture(params=[name for name in LOADABLE if name != "dflash"])
+def domino_case(request, exports, sglang_views):
+    """A loadable export that may carry the Domino head (the plain-DFlash export has none to roll out)."""
+    return _case(request.param, exports, sglang_views)
 
 
 def our_tensors(directory) -> dict[str, torch.Tensor]:
@@ -158,10 +167,10 @@ def test_sglang_rope_is_our_rotation(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_domino_rollout_chains_equal_sglangs(case, dtype):
-    name, directory, view, config = case
-    if not config.use_domino_head:
-        pytest.skip("a plain DFlash draft has no Domino rollout (SGLang drafts argmax of the base logits)")
+def test_domino_rollout_chains_equal_sglangs(domino_case, dtype):
+    name, directory, view, config = domino_case
+    if not config.use_domino_head:  # only a real export trained with use_domino_head: false
+        pytest.skip("this export is a plain DFlash draft: no Domino rollout (SGLang drafts argmax of the base logits)")
     B, H, V = config.block_size, config.hidden_size, config.vocab_size
     x = rollout_inputs(ROLLOUT["seed"], ROLLOUT["blocks"], B, H, V)
     draft = DFlashDraftModel.from_pretrained(directory, config=config).to(dtype).eval()
