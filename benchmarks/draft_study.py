@@ -227,20 +227,27 @@ def train_candidate(params: Any, target: Any, spec: dict[str, Any], items: list[
 
 
 @torch.no_grad()
+def walk_item(draft: Any, target: Any, item: dict[str, torch.Tensor], layer_ids: list[int], heads: tuple[bool, ...]):
+    """One (prompt + answer) item -> its engine walk (K = B - 1) for each head setting, one target forward."""
+    from dominospec.cache.features import target_hidden
+    from dominospec.train.walk import walk_sequence
+
+    ids = item["input_ids"].to(target.device)
+    feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], layer_ids)[0].clone()
+    return [walk_sequence(draft, target.embed_tokens, target.lm_head, ids, item["loss_mask"], feats,
+                          draft.config.block_size - 1, head=head, chunk=256) for head in heads]
+
+
+@torch.no_grad()
 def walk_score(draft: Any, target: Any, seqs: list[dict[str, torch.Tensor]], layer_ids: list[int]) -> dict:
     """Engine τ (walk, K = B - 1) on the target's own answers, head on and off."""
-    from dominospec.cache.features import target_hidden
-    from dominospec.train.walk import WalkStats, walk_sequence
+    from dominospec.train.walk import WalkStats
 
-    K = draft.config.block_size - 1
     heads = {"domino": WalkStats(), "head_off": WalkStats()}
-    dev = target.device
     for item in seqs:
-        ids = item["input_ids"].to(dev)
-        feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], layer_ids)[0].clone()
-        for name, head in (("domino", True), ("head_off", False)):
-            heads[name].merge(walk_sequence(draft, target.embed_tokens, target.lm_head, ids, item["loss_mask"],
-                                            feats, K, head=head, chunk=256))
+        on, off = walk_item(draft, target, item, layer_ids, (True, False))
+        heads["domino"].merge(on)
+        heads["head_off"].merge(off)
     return {name: stats.as_dict() for name, stats in heads.items()}
 
 
@@ -249,7 +256,7 @@ def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: 
     """The real engine (domino and head off) on `prompts` -> its pooled τ, and the walk's τ on
     the engine's own output: equal up to feature numerics (batched vs incremental forwards)."""
     from dominospec.engine import SpecEngine
-    from dominospec.train.walk import WalkStats, walk_sequence
+    from dominospec.train.walk import WalkStats
 
     draft = draft.float()
     out: dict[str, Any] = {"prompts": len(prompts)}
@@ -260,13 +267,7 @@ def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: 
         for p in prompts:
             g = engine.generate(p.tolist(), max_new)
             emitted, rounds = emitted + g.stats.round_tokens, rounds + g.stats.rounds
-            seq = as_sequences([p], [g.token_ids])[0]
-            ids = seq["input_ids"].to(target.device)
-            from dominospec.cache.features import target_hidden
-
-            feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], layer_ids)[0].clone()
-            walk.merge(walk_sequence(draft, target.embed_tokens, target.lm_head, ids, seq["loss_mask"], feats,
-                                     draft.config.block_size - 1, head=head))
+            walk.merge(walk_item(draft, target, as_sequences([p], [g.token_ids])[0], layer_ids, (head,))[0])
         out[mode] = {"engine_tau": emitted / max(1, rounds), "walk_tau": walk.acceptance_length,
                      "seconds": round(time.perf_counter() - tick, 1)}
     return out
