@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dominospec import files
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 
 def test_write_json_replaces_atomically_with_sorted_keys(tmp_path):

@@ -43,6 +43,66 @@ def test_import_direction():
     assert not problems, problems
 
 
+def library_graph():
+    """dominospec module -> the dominospec modules it imports at run time (function-level imports
+    included, `if TYPE_CHECKING:` blocks excluded)."""
+    root = REPO / "src"
+    modules = {}
+    for path in (root / "dominospec").rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("dominospec"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = library_graph()
+    cycles = []
+
+    def visit(module, path):
+        for dep in graph[module]:
+            if dep in path:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in done:
+                visit(dep, path + [dep])
+        done.add(module)
+
+    done = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_layers_point_down():
+    """pipeline -> stages (`*.stage`, cli) -> library -> errors / models / kernels, never upwards."""
+    graph = library_graph()
+    assert graph["dominospec.errors"] == set(), "errors must stay the bottom of the graph"
+    problems = []
+    for module, deps in graph.items():
+        is_stage = module == "dominospec.cli" or module.endswith(".stage")
+        for dep in deps:
+            if dep == "dominospec.cli" and module != "dominospec.cli":
+                problems.append(f"{module} imports the CLI")
+            elif dep.endswith(".stage") and not is_stage:
+                problems.append(f"library module {module} imports stage {dep}")
+    assert not problems, problems
+
+
 def test_every_dvc_stage_has_script_params_section_and_cli_command():
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
     sections = set(Params.__dataclass_fields__)

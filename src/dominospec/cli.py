@@ -12,7 +12,8 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
-from dominospec.config import Params, ParamsError, load_params
+from dominospec.config import Params, load_params
+from dominospec.errors import UserError
 
 # stage name (= params section = pipeline script) -> "module:function" taking Params
 STAGES: dict[str, str] = {
@@ -23,10 +24,6 @@ STAGES: dict[str, str] = {
     "export": "dominospec.export.stage:export",
     "evaluate": "dominospec.eval.stage:evaluate",
 }
-
-
-class UserError(RuntimeError):
-    """An error caused by the user's input or environment: printed without a traceback."""
 
 
 def _resolve(spec: str) -> Callable[[Params], None]:
@@ -42,11 +39,9 @@ def run_stage(stage: str, params_path: str) -> None:
 
 def _run(fn: Callable[[], None]) -> int:
     """Run `fn`, turning known user-facing errors into one line on stderr and exit code 2."""
-    from dominospec.target import TargetError
-
     try:
         fn()
-    except (ParamsError, UserError, TargetError) as err:
+    except UserError as err:  # ParamsError and TargetError included
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

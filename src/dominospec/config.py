@@ -23,9 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ParamsError(ValueError):
-    """A params file that cannot be used: unknown key, missing key, or wrong type."""
+from dominospec.errors import ParamsError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 CHUNK = 1 << 22  # 4 MiB reads when hashing
 TEMP_SUFFIX = ".tmp"  # write_atomic's temporary: `<name>.tmp` next to the destination

@@ -23,13 +23,10 @@ from typing import Any, Optional
 import torch
 
 from dominospec.config import TargetParams
+from dominospec.errors import TargetError
 from dominospec.files import sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TargetError(RuntimeError):
-    """The target cannot be found or loaded as configured."""
 
 
 @dataclass(frozen=True)

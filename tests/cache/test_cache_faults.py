@@ -15,7 +15,7 @@ from cache_helpers import save_regenerated, write_params
 from dominospec.cache import format as fmt
 from dominospec.cache.reader import CacheReader
 from dominospec.cache.stage import cache
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import load_params
 
 SIZES = {"train": 16, "val": 4, "test": 2}

@@ -9,7 +9,7 @@ import pytest
 from dominospec.cache import format as fmt
 from dominospec.cache.features import resolve_layer_ids
 from dominospec.cache.writer import plan_batches, plan_shards
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import CacheParams
 from dominospec.target import default_layer_ids
 

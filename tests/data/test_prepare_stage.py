@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from data_helpers import REPO, SHAREGPT_SAMPLE, sample_records, smollm2_tokenizer, tiny_target_dir, write_params  # noqa: F401
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.data.conversations import assign_split
 from dominospec.data.dataset import FEATURES, read_dataset

@@ -13,7 +13,7 @@ import time
 import pytest
 from data_helpers import REPO, sample_records, smollm2_tokenizer, tiny_target_dir, write_params  # noqa: F401
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.data.dataset import read_dataset
 from dominospec.data.prepare import prepare

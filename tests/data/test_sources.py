@@ -7,7 +7,7 @@ import json
 import pytest
 from data_helpers import SHAREGPT_SAMPLE, sample_records
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.data.conversations import normalize_records
 from dominospec.data.sources import parse_records, read_file, read_source
 

@@ -14,7 +14,7 @@ import torch
 from engine_helpers import EOS, random_prompts, tiny_draft, tiny_target
 
 import dominospec.engine.spec as spec_module
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache

@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_helpers import tiny_draft, tiny_target
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Paths
 from dominospec.engine import SpecEngine, draft_dir, load_draft
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import yaml
 
-from dominospec.cli import UserError, main
+from dominospec.cli import main
+from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.eval.prompts import humaneval_conversations, jsonl_conversations
 from dominospec.eval.stage import evaluate

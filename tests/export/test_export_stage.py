@@ -12,7 +12,8 @@ import torch
 from export_helpers import make_project, save_checkpoint
 from safetensors.torch import load_file, save_file
 
-from dominospec.cli import UserError, stage_main
+from dominospec.cli import stage_main
+from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.export import check_export_dir
 from dominospec.export import stage as export_stage

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dominospec.cli import UserError, main
+from dominospec.cli import main
+from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.serve import resolve_backend
 from dominospec.serve.builtin import check_serve_params

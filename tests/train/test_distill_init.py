@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 from dominospec.train import objective as O
 from dominospec.train.init import init_from_target

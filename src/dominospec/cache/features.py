@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import CacheParams
 from dominospec.target import default_layer_ids
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.files import TEMP_SUFFIX, write_atomic
 
 FORMAT_VERSION = 2  # bump whenever a shard or the manifest changes shape or meaning (2: shard seconds)

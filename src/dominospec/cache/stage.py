@@ -31,7 +31,7 @@ from dominospec.cache.writer import (
     start_from,
     write_shard,
 )
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import CacheParams, Params
 from dominospec.data.dataset import META_FILE, read_dataset
 from dominospec.target import load_target, pick_device

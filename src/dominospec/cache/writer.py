@@ -19,7 +19,7 @@ from safetensors.torch import save as safetensors_bytes
 from dominospec import files
 from dominospec.cache import format as fmt
 from dominospec.cache.features import target_hidden
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 DISK_MARGIN = 1.05  # the estimate is multiplied by this ...
 DISK_RESERVE = 256 * 2**20  # ... and this many bytes are kept free for everything else

@@ -24,7 +24,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.data.conversations import SPLITS
 from dominospec.files import replace_path, temp_sibling
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset, DatasetDict, Features, List, Value
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params, PrepareParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.conversations import SPLITS, assign_split, normalize_records

@@ -35,7 +35,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from tqdm import tqdm
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset

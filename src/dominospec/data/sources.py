@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 SHAREGPT = "sharegpt"
 HUB_PREFIX = "hub:"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Paths
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 from dominospec.target import Target

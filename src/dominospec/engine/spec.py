@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.features import FeatureTap
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length

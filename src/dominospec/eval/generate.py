@@ -6,9 +6,8 @@ import torch
 
 from dominospec.config import Params
 from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import engine_options, prepare_target
+from dominospec.engine.configure import engine_options, prepare_target, sampling_from
 from dominospec.eval.prompts import render
-from dominospec.eval.stage import sampling_from
 
 
 def generate(params: Params, prompt: str, mode: str) -> Generation:

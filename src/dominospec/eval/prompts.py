@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 Messages = list[dict[str, str]]
 ROLES = ("system", "user", "assistant")

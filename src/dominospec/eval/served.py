@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 import httpx
 from tqdm import tqdm
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.eval.prompts import Messages, Suite, load_suite, suite_name
 

@@ -29,24 +29,16 @@ from typing import Any, Optional
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import engine_options, prepare_target
+from dominospec.engine.configure import engine_options, prepare_target, sampling_from
 from dominospec.engine.policy import choose_k
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.report import HEAD, NGRAM, NO_HEAD, suite_report
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
-
-
-def sampling_from(cfg: EvaluateParams) -> Sampling:
-    """evaluate params -> Sampling; a bad value raises UserError naming the key."""
-    try:
-        return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    except ValueError as err:
-        raise UserError(f"evaluate: {err}") from None
 
 
 def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ MAX_LIST = 32  # longer lists are summarised by their length
 def sglang_lines(params: Params, exported: dict[str, Any]) -> list[str]:
     """-> the card's SGLang launch (built by `dominospec.serve.sglang`, as `make serve` runs it), or why
     SGLang cannot serve this target as configured."""
-    from dominospec.cli import UserError
+    from dominospec.errors import UserError
     from dominospec.serve.sglang import launch_argv, printable
 
     try:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import DraftParams
 from dominospec.export.contract import CONFIG_FILE, HEAD_TENSORS, WEIGHTS_FILE, expected_tensors, tensor_problems
 from dominospec.models.domino import DominoDraftConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params
 from dominospec.engine.loading import check_draft_matches
 from dominospec.export.card import model_card

@@ -20,7 +20,7 @@ from jinja2.exceptions import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.eval.prompts import render
 from dominospec.serve.errors import ApiError, install_handlers
 from dominospec.serve.guards import Guards

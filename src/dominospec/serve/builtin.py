@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dominospec import __version__
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params, ServeParams
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params
 from dominospec.serve.sglang import exec_sglang, sglang_available, sglang_command
 

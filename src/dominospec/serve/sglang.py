@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import Params
 from dominospec.target import resolve_source
 

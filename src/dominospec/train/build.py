@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 from dominospec.config import DraftParams, Params
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 from dominospec.target import Target, load_target

@@ -109,11 +109,29 @@ def plot_accuracy(summary: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict[str, Any]:
+    """Validation summary -> the metrics/train.json document."""
+    return {
+        "val_acceptance_length": summary["acceptance_length"],
+        "val_acceptance_length_base": summary["acceptance_length_base"],
+        "val_accuracy_by_position": summary["accuracy_by_position"],
+        "val_accuracy_by_position_base": summary["accuracy_by_position_base"],
+        "val_loss": summary.get("loss"),
+        # Engine-faithful τ: each val reply walked round by round as the engine decodes it
+        # (train/walk.py); predicts the evaluate stage's τ when the val replies are the target's own.
+        "val_walk_acceptance_length": summary["walk"]["acceptance_length"],
+        "val_walk_acceptance_length_se": summary["walk"]["acceptance_length_se"],
+        "val_walk_acceptance_length_base": summary["walk_base"]["acceptance_length"],
+        "val_walk_acceptance_by_position": summary["walk"]["acceptance_by_position"],
+        "val_walk_replies": summary["walk"]["replies"],
+        "steps": steps,
+        "train_minutes": round(minutes, 4),
+    }
+
+
 def write_train_outputs(params: Params, trainer: L.Trainer, curves: CurveRecorder, summary: dict[str, Any],
                         minutes: float, logger: Any) -> dict[str, Any]:
     """Write metrics/train.json, the DVC plot CSVs and PNGs, and log them to the MLflow run."""
-    from dominospec.train.stage import summary_metrics
-
     metrics = summary_metrics(summary, steps=trainer.global_step, minutes=minutes)
     metrics_path = Path(params.paths.metrics) / "train.json"
     write_json(metrics_path, metrics)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dominospec.cli import UserError
+from dominospec.errors import UserError
 
 
 @torch.no_grad()
