@@ -338,17 +338,22 @@ class DFlashDraftModel(DominoPreTrainedModel):
         """Logit delta W2 . SiLU(W1 . [z ; s]): z [..., H], s [..., G] -> [..., V]."""
         return self.embed_proj[2](self.correction_hidden(z, s))
 
-    def final_logits(self, base_logits: torch.Tensor, z: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    def final_logits(self, base_logits: torch.Tensor, z: torch.Tensor, states: torch.Tensor,
+                     vocab_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """u [N, Bk, V], z [N, Bk, H], GRU states [N, Bk, G] -> u + delta [N, Bk, V].
 
         Slots j < pure_draft_prefix_len keep u exactly (their hidden is zeroed, so no gradient
         reaches the head from them). One fused addmm: no separate [N, Bk, V] delta tensor.
+        `vocab_ids` [V'] (training over a loss vocabulary): u holds those columns only, and so
+        does delta (rows vocab_ids of W2).
         """
         N, Bk, V = base_logits.shape
         mid = self.correction_hidden(z, states)  # [N, Bk, r]
         keep = torch.arange(Bk, device=mid.device) >= self.config.pure_draft_prefix_len
         mid = mid * keep[None, :, None].to(mid.dtype)
         w2 = self.embed_proj[2].weight  # [V, r]
+        if vocab_ids is not None:
+            w2 = w2[vocab_ids]  # [V', r]
         out = torch.addmm(base_logits.reshape(N * Bk, V), mid.reshape(N * Bk, -1).to(w2.dtype), w2.t())
         return out.view(N, Bk, V)
 

@@ -132,6 +132,7 @@ class TrainParams:
     lambda_decay_fraction: float  # lambda: 1 -> 0 linearly over this fraction of the steps
     loss: Literal["ce", "kd"]  # ce: hard labels; kd: the target's own next-token distribution (online only)
     init_from_target: bool  # draft layers start as copies of the target layers after the deepest feature
+    loss_vocab: Literal["full", "data"]  # data: the training softmax spans only tokens the train split supervises
     val_every_steps: int
     val_max_sequences: int
     checkpoint_every_steps: int

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +89,27 @@ def test_train_writes_checkpoints_metrics_plots_and_mlflow_run(tiny_cache, tmp_p
     assert lambdas[0] == 1.0 and lambdas == sorted(lambdas, reverse=True) and lambdas[-1] < 0.2
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"train.json", "train_curve.png", "train_curve.csv"} <= artifacts
+
+
+def test_loss_vocab_data_trains_only_the_supervised_tokens_head_rows(tiny_cache, tmp_path):
+    """train.loss_vocab: data -> W2 rows of tokens the train split never supervises are exactly
+    zero in the final draft (no correction for tokens it never learnt about); the others trained."""
+    from safetensors.torch import load_file
+
+    from dominospec.train.datamodule import PreparedSequences
+    from dominospec.train.objective import loss_vocabulary
+    from dominospec.train.stage import train
+
+    train(load_params(run_params(tiny_cache, tmp_path, loss_vocab="data")))
+    vocab = loss_vocabulary(PreparedSequences(tiny_cache / "regenerated", "train"))
+    w2 = load_file(str(tmp_path / "checkpoints" / "final" / "model.safetensors"))["embed_proj.2.weight"]  # [V, r]
+    inside = torch.zeros(w2.shape[0], dtype=torch.bool)
+    inside[vocab] = True
+    assert 0 < vocab.numel() < w2.shape[0]
+    assert not w2[~inside].any()
+    assert w2[inside].abs().sum(-1).min() > 0
+    metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 6 and metrics["val_walk_acceptance_length"] >= 1.0
 
 
 def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):

@@ -114,14 +114,6 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     lm_head = target.lm_head
     if getattr(lm_head, "bias", None) is not None:
         raise UserError("targets whose LM head has a bias are not supported")
-    module = DraftLitModule(
-        draft,
-        embed_weight=target.embed_tokens.weight,
-        lm_head_weight=lm_head.weight,
-        train=params.train,
-        online_target=target.model if params.train.features == "online" else None,
-        layer_ids=layer_ids,
-    )
     datamodule = DraftDataModule(
         features=params.train.features,
         cache_dir=Path(params.paths.cache),
@@ -132,4 +124,34 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
         seed=params.train.seed,
         train_limit=train_limit,
     )
+    module = DraftLitModule(
+        draft,
+        embed_weight=target.embed_tokens.weight,
+        lm_head_weight=lm_head.weight,
+        train=params.train,
+        online_target=target.model if params.train.features == "online" else None,
+        layer_ids=layer_ids,
+        loss_vocab=loss_vocab(params, datamodule, draft),
+    )
     return TrainingSetup(module=module, datamodule=datamodule, data_fingerprint=fingerprint, target=target)
+
+
+def loss_vocab(params: Params, datamodule: Any, draft: DFlashDraftModel) -> Optional[torch.Tensor]:
+    """train.loss_vocab: data -> ids [V'] of every token the train split supervises (None: full).
+
+    The rows of W2 outside it would never get a gradient, so they start (and stay) zero: the
+    exported head adds no correction to a token it never learnt about, instead of init noise."""
+    if params.train.loss_vocab == "full":
+        return None
+    from dominospec.train.objective import loss_vocabulary
+
+    datamodule.setup()
+    vocab = loss_vocabulary(datamodule.train_set)
+    if vocab.numel() == 0:
+        raise UserError("train.loss_vocab: data found no supervised token in the train split")
+    if draft.config.use_domino_head:
+        outside = torch.ones(draft.config.vocab_size, dtype=torch.bool)
+        outside[vocab] = False
+        with torch.no_grad():
+            draft.embed_proj[2].weight[outside] = 0.0
+    return vocab

@@ -26,6 +26,7 @@ from dominospec.train.objective import (
     make_blocks,
     position_weights,
     teacher_block_logits,
+    vocab_index,
 )
 
 
@@ -65,12 +66,21 @@ class DraftLitModule(L.LightningModule):
         train: TrainParams,
         online_target: Optional[torch.nn.Module] = None,
         layer_ids: Optional[list[int]] = None,
+        loss_vocab: Optional[torch.Tensor] = None,
     ):
         super().__init__()
         self.draft = draft
         self.hp = train
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)  # [V, H]
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)  # [V, H]
+        # train.loss_vocab: data -> the training softmax spans V' supervised tokens (validation
+        # stays on the full vocabulary): their ids [V'], their LM-head rows [V', H], and the
+        # map [V] from a token id to its column (-1 outside).
+        self.register_buffer("loss_vocab_ids", None if loss_vocab is None else loss_vocab, persistent=False)
+        self.register_buffer("loss_lm_head_weight", None if loss_vocab is None else lm_head_weight.detach()[loss_vocab],
+                             persistent=False)
+        self.register_buffer("loss_vocab_index", None if loss_vocab is None else vocab_index(loss_vocab, lm_head_weight.shape[0]),
+                             persistent=False)
         self.register_buffer("slot_weights", position_weights(draft.config.block_size, train.loss_gamma), persistent=False)
         # The online target is frozen and not part of this module's state (not saved, not trained).
         self.__dict__["online_target"] = online_target
@@ -90,6 +100,10 @@ class DraftLitModule(L.LightningModule):
     def lm_head(self, z: torch.Tensor) -> torch.Tensor:
         """Draft states [..., H] -> base logits [..., V] through the target's frozen LM head."""
         return F.linear(z, self.lm_head_weight.to(z.dtype))
+
+    def loss_lm_head(self, z: torch.Tensor) -> torch.Tensor:
+        """Draft states [..., H] -> base logits over the loss vocabulary [..., V']."""
+        return F.linear(z, self.loss_lm_head_weight.to(z.dtype))
 
     def features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Batch -> target features [B, T, n*H]: from the cache, or computed now (online mode)."""
@@ -143,10 +157,17 @@ class DraftLitModule(L.LightningModule):
         blocks = _to(self._blocks(batch, self._generator(self.global_step)), self.device)
         if self.hp.loss == "kd":
             teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
-        base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
+        labels, label_mask = blocks.labels, blocks.label_mask
+        vocab = self.loss_vocab_ids
+        if vocab is None:
+            base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
+        else:  # logits [B, N, Bk, V'], labels as columns of the loss vocabulary
+            base, final = draft_block_logits(self.draft, self.embed, self.loss_lm_head, feats, blocks, vocab_ids=vocab)
+            columns = self.loss_vocab_index[labels]
+            labels, label_mask = columns.clamp(min=0), label_mask & (columns >= 0)
+            teacher = None if teacher is None else teacher.index_select(-1, vocab)
         lam = self.curriculum()
-        loss, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights,
-                                                  lam, teacher)
+        loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam, teacher)
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log("train/loss_base", loss_base, batch_size=bs)

@@ -172,10 +172,12 @@ def make_blocks(
     )
 
 
-def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tensor, blocks: BlockBatch, mask=None):
+def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tensor, blocks: BlockBatch, mask=None,
+                       vocab_ids: Optional[torch.Tensor] = None):
     """One training forward: target_features [B, T, n*H] + BlockBatch -> (base, final) logits
     [B, N, Bk, V]; final is None when the draft's head is off. `mask` overrides the boolean
-    attention mask (e.g. a flex BlockMask from `flex_block_mask`). Computes each [.., V] once."""
+    attention mask (e.g. a flex BlockMask from `flex_block_mask`). Computes each [.., V] once.
+    With a loss vocabulary, `lm_head` maps to its V' columns and `vocab_ids` [V'] names them."""
     B, N, Bk = blocks.block_ids.shape
     block_embeds = embed_tokens(blocks.block_ids.view(B, N * Bk))  # [B, Q, H]
     z = draft(
@@ -189,8 +191,29 @@ def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tens
     if not draft.config.use_domino_head:
         return base.view(B, N, Bk, -1), None
     states = draft.gru_states(embed_tokens(blocks.gru_ids.view(B * N, Bk)))  # [B*N, Bk, G]
-    final = draft.final_logits(base, z, states)
+    final = draft.final_logits(base, z, states, vocab_ids)
     return base.view(B, N, Bk, -1), final.view(B, N, Bk, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss vocabulary (train.loss_vocab: data)
+# ----------------------------------------------------------------------------------------------
+
+
+def loss_vocabulary(sequences) -> torch.Tensor:
+    """Iterable of {"input_ids" [T], "loss_mask" [T]} -> sorted ids [V'] of every supervised token:
+    every label a block of these sequences can carry (block labels sit on loss-masked positions)."""
+    seen: set[int] = set()
+    for item in sequences:
+        seen.update(item["input_ids"][item["loss_mask"].bool()].tolist())
+    return torch.tensor(sorted(seen), dtype=torch.long)
+
+
+def vocab_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids [V'] -> index [V]: index[vocab_ids[i]] = i, -1 for tokens outside the loss vocabulary."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab_ids.cpu()] = torch.arange(vocab_ids.numel())
+    return index
 
 
 # ----------------------------------------------------------------------------------------------

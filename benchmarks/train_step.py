@@ -1,0 +1,151 @@
+"""Where the time of one training step goes on this machine, by phase: full-vocabulary softmax vs
+the loss vocabulary (`train.loss_vocab: data`).
+
+One process, the train stage's own pieces (`DraftLitModule`'s objective, bf16 autocast as
+`precision: bf16-mixed`, AdamW), the default draft (params `draft:`) and real sequences of the
+train split (regenerated when present, else prepared) with random target features of the real
+shape (the features' values do not change the cost). The two variants alternate step by step,
+so both see the same machine load. A block is one anchor's B slots; blocks/s is what training
+throughput means here (batch_size x num_anchors blocks per step).
+
+    python benchmarks/train_step.py [--params params.yaml] [--steps 8] [--threads 2]
+        [--conversations 192] [--variants full,data]
+
+Prints ms per phase (blocks, backbone, LM head, Domino head, loss, backward, optimiser), blocks/s
+and V' (the loss vocabulary's size), then one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+PHASES = ("blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
+
+
+def train_sequences(params, limit: int) -> list[dict[str, torch.Tensor]]:
+    """The first `limit` train sequences (token ids, loss mask) the train stage would see."""
+    from dominospec.train.datamodule import PreparedSequences
+
+    root = Path(params.paths.regenerated)
+    if not (root / "dataset_dict.json").is_file():
+        root = Path(params.paths.prepared)
+    data = PreparedSequences(root, "train", limit)
+    return [data[i] for i in range(len(data))], str(root)
+
+
+class Timer:
+    def __init__(self):
+        self.ms = {p: 0.0 for p in PHASES}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.ms[name] += (time.perf_counter() - start) * 1e3
+
+
+def build(params, target, layer_ids, vocab):
+    """A fresh default draft + DraftLitModule (+ AdamW) on `target`; vocab None = full softmax."""
+    from dominospec.models.domino import DFlashDraftModel
+    from dominospec.train.build import draft_config
+    from dominospec.train.module import DraftLitModule
+
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
+    module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train, layer_ids=layer_ids,
+                            loss_vocab=vocab)
+    return module, torch.optim.AdamW(draft.parameters(), lr=params.train.lr)
+
+
+def step(module, optimizer, batch, timer: Timer, generator) -> float:
+    """One optimiser step of the train stage's objective, phase by phase -> loss."""
+    from dominospec.train.objective import domino_loss, make_blocks
+
+    draft, cfg = module.draft, module.draft.config
+    with timer.phase("blocks"):
+        blocks = make_blocks(batch["input_ids"], batch["loss_mask"], module.hp.num_anchors, cfg.block_size,
+                             cfg.mask_token_id, generator)
+    B, N, Bk = blocks.block_ids.shape
+    vocab = module.loss_vocab_ids
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with timer.phase("backbone"):
+            z = draft(module.embed(blocks.block_ids.view(B, N * Bk)), blocks.positions.view(B, N * Bk),
+                      target_features=batch["target_hidden"], attention_mask=blocks.attention_mask)
+            z = z.view(B * N, Bk, -1)
+        with timer.phase("lm_head"):
+            base = (module.lm_head if vocab is None else module.loss_lm_head)(z)
+        with timer.phase("head"):
+            states = draft.gru_states(module.embed(blocks.gru_ids.view(B * N, Bk)))
+            final = draft.final_logits(base, z, states, vocab)
+    with timer.phase("loss"):
+        labels, mask = blocks.labels.view(B * N, Bk), blocks.label_mask.view(B * N, Bk)
+        if vocab is not None:
+            columns = module.loss_vocab_index[labels]
+            labels, mask = columns.clamp(min=0), mask & (columns >= 0)
+        loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
+    with timer.phase("backward"):
+        loss.backward()
+    with timer.phase("optimizer"):
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), module.hp.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main() -> None:
+    from dominospec.cache.features import resolve_layer_ids
+    from dominospec.config import load_params
+    from dominospec.target import load_target
+    from dominospec.train.datamodule import collate
+    from dominospec.train.objective import loss_vocabulary
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--conversations", type=int, help="train sequences (default: cache.max_train_conversations)")
+    parser.add_argument("--variants", default="full,data")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    params = load_params(args.params)
+    target = load_target(params.target, device=torch.device("cpu"))
+    layer_ids = resolve_layer_ids(params.cache, target.num_layers)
+    sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
+    vocab = loss_vocabulary(sequences)
+    variants = args.variants.split(",")
+    setups = {v: build(params, target, layer_ids, None if v == "full" else vocab) for v in variants}
+    timers = {v: Timer() for v in variants}
+    feature_dim = len(layer_ids) * target.hidden_size
+    bs = params.train.batch_size
+    for i in range(args.steps + 1):  # step 0 warms up (allocator, oneDNN primitives)
+        items = [sequences[(i * bs + b) % len(sequences)] for b in range(bs)]
+        batch = collate(items)
+        batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
+        for v in variants:
+            timer = timers[v] if i else Timer()
+            module, optimizer = setups[v]
+            step(module, optimizer, batch, timer, torch.Generator().manual_seed(i))
+
+    blocks = bs * params.train.num_anchors
+    print(f"{datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__} "
+          f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}; "
+          f"{blocks} blocks x B={params.draft.block_size} per step, {args.steps} steps")
+    print("\n| softmax over | " + " | ".join(f"{p} ms" for p in PHASES) + " | step ms | blocks/s |")
+    print("|---|" + "---|" * (len(PHASES) + 2))
+    for v in variants:
+        ms = {p: timers[v].ms[p] / args.steps for p in PHASES}
+        total = sum(ms.values())
+        name = f"full vocabulary ({target.identity.vocab_size})" if v == "full" else f"loss vocabulary ({vocab.numel()})"
+        print(f"| {name} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES) + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
