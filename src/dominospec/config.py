@@ -165,6 +165,7 @@ class EngineParams:
     ngram_min: int  # ngram mode (prompt lookup): shortest suffix n-gram looked up
     ngram_max: int  # ngram mode: longest suffix n-gram looked up (tried first)
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
+    ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@
   earlier occurrence, its most recent one, the k tokens after it.
 - Greedy `ngram` decoding equals AR token for token (fp32 / fp64 tiny targets), with a fixed K and
   with auto-K; the prompts repeat themselves, so lookups hit and drafts are accepted (counted).
+- `ngram_assist` (a draft mode verifying prompt-lookup hits instead of drafting) equals AR too,
+  with both kinds of round happening, and keeps the draft context in step with the target KV.
 Run: python -m pytest tests/engine/test_ngram.py -q
 """
 
@@ -11,7 +13,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, tiny_target
+from engine_helpers import random_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.ngram import NgramIndex
@@ -67,3 +69,20 @@ def test_greedy_ngram_equals_ar(arch, vocab, dtype, num_draft):
         accepted += sum(out.stats.position_accepted)
         lookups += out.stats.draft_rounds
     assert lookups > 10 and accepted > 10, (lookups, accepted)
+
+
+@pytest.mark.parametrize("mode", ["domino", "dflash"])
+@pytest.mark.parametrize("num_draft", [None, "auto"])
+def test_greedy_ngram_assist_equals_ar(mode, num_draft):
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True)
+    ar = SpecEngine(target, None, "ar")
+    engine = SpecEngine(target, draft, mode, num_draft, EngineOptions(ngram_assist=True, ngram_max=3))
+    lookups = drafted = 0
+    for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
+        out = engine.generate(prompt, 24)
+        assert out.token_ids == ar.generate(prompt, 24).token_ids, prompt
+        assert out.stats.draft_context_length == out.stats.target_kv_length == len(prompt) + len(out.token_ids) - 1
+        lookups += out.stats.lookup_rounds
+        drafted += out.stats.draft_rounds - out.stats.lookup_rounds
+    assert lookups > 10 and drafted > 10, (lookups, drafted)

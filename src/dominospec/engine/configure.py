@@ -20,6 +20,7 @@ def engine_options(cfg: EngineParams) -> EngineOptions:
         ngram_min=cfg.ngram_min,
         ngram_max=cfg.ngram_max,
         ngram_num_draft=cfg.ngram_num_draft,
+        ngram_assist=cfg.ngram_assist,
         acceptance_window=cfg.acceptance_window,
     )
 

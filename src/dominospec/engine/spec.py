@@ -7,6 +7,9 @@ One `SpecEngine` per (target, draft, mode):
 - `dflash`: the draft backbone proposes a block, each draft token an independent draw from the
   base logits u (head off).
 - `domino`: the same block, drafted by the Domino rollout (GRU-corrected logits u + delta).
+With `ngram_assist`, a draft-mode round whose context offers a prompt-lookup continuation
+verifies that instead (no draft forward; its target features wait in `pending` for the next
+draft forward), and drafts otherwise: lookups are free, and on copying stretches they beat the draft.
 
 A round (draft modes). `start` is the position of the last committed token x_start, which has no
 target KV yet; at the start of every round the target KV holds exactly positions 0..start-1, and
@@ -70,6 +73,7 @@ class EngineOptions:
     ngram_max: int = 4  # prompt lookup: longest suffix n-gram looked up (tried first)
     ngram_num_draft: int = 7  # prompt lookup: most tokens proposed per round when num_draft is None
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
+    ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
 
 
 class SpecEngine:
@@ -191,7 +195,7 @@ class SpecEngine:
         if drafting:
             state.pending.append(features)
         stats.prefill_s = self._now() - t_begin
-        if self.mode == "ngram":
+        if self.mode == "ngram" or (drafting and self.options.ngram_assist):
             state.index = NgramIndex(self.options.ngram_min, self.options.ngram_max)
             state.index.extend(prompt.tolist())
 
@@ -249,16 +253,18 @@ class SpecEngine:
         K = min(self._choose_k(), room) if self.mode != "ar" else 0
         x_start = torch.tensor([tokens[-1]], device=self.device)
         t0 = self._now()
-        chain = None
-        if self.mode == "ngram":
-            proposal = state.index.propose(K)
+        chain, drafted = None, False
+        proposal = state.index.propose(K) if state.index is not None else []
+        if self.mode == "ngram" or proposal:  # prompt lookup (ngram mode, or assist with a hit): no draft forward
             K = len(proposal)
             if K:
                 chain = DraftChain(torch.tensor(proposal, device=self.device), None, torch.ones(K))
+                stats.lookup_rounds += self.mode != "ngram"
         elif K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
+            drafted = True
         t1 = self._now()
-        if K > 0 and self.mode in DRAFT_MODES:
+        if drafted:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
                                 self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0)
             K = self._cut(chain)

@@ -21,6 +21,7 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0  # target forwards after the prefill: verify rounds (AR steps in `ar`)
     draft_rounds: int = 0  # rounds that ran the drafter (draft forward, or a prompt-lookup hit)
+    lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
     proposed: int = 0  # draft tokens verified, over all rounds
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
     position_accepted: list[int] = field(default_factory=list)  # [K_max] rounds whose draft k+1 was accepted

@@ -65,6 +65,7 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "verify_ms_per_round": per_round("verify_s"),
         "mean_drafts_per_round": sum(s.proposed for s in stats) / rounds if rounds else None,
         "draft_round_share": draft_rounds / rounds if rounds else None,  # rounds that verified >= 1 draft
+        "lookup_round_share": sum(s.lookup_rounds for s in stats) / rounds if rounds else None,  # ngram_assist hits
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
     }
 
