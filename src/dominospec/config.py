@@ -10,6 +10,7 @@ problem raises `ParamsError` naming the file and the dotted key, before any work
 Stage name = pipeline script name = params section. Sections without a stage (`paths`,
 `target`, `mlflow`) are shared by all stages.
 `serve` configures `dominospec serve` (no DVC stage: serving is not a pipeline step).
+`retrain` configures `dominospec retrain` (no DVC stage: it runs the pipeline, then gates its result).
 """
 
 from __future__ import annotations
@@ -207,6 +208,17 @@ class ServeParams:
 
 
 @dataclass(frozen=True)
+class RetrainParams:
+    """`dominospec retrain` / `make retrain`: new data snapshot, pipeline, gate, MLflow registry (no DVC stage)."""
+
+    registered_model: str  # MLflow registered model; its alias `champion` is what `make serve` serves
+    gate_suite: str  # evaluate suite (name as in eval.json) whose Domino τ gates promotion; must be in evaluate.suites
+    tolerance: float  # promote when gate τ >= champion's gate τ - tolerance (and exact match with AR is 1)
+    lock_file: str  # one retrain at a time: flock on this file (a dead holder's lock is taken over)
+    commands: list[list[str]]  # the data snapshot, then the pipeline (argv each, run in order; each must exit 0)
+
+
+@dataclass(frozen=True)
 class MlflowParams:
     """The one MLflow store every stage logs to."""
 
@@ -230,6 +242,7 @@ class Params:
     engine: EngineParams
     evaluate: EvaluateParams
     serve: ServeParams
+    retrain: RetrainParams
     mlflow: MlflowParams
     source: Path = field(default=Path("params.yaml"), compare=False)
 
