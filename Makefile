@@ -56,10 +56,11 @@ serve: setup
 ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host $(HOST) --port 5000
 
-# The scheduled job (cron/CI): re-run the pipeline as a named DVC experiment; each run's
-# training and evaluation land in MLflow, and `dvc exp show` compares them.
+# The scheduled job (cron/systemd, docs/operations.md): new data snapshot, dvc repro, gate on
+# retrain.gate_suite, register in MLflow; the alias `champion` moves only on a pass.
+# Exit 0 promoted, 1 rejected by the gate, 2 failed (the champion stays on 1 and 2).
 retrain: setup
-	source $(VENV)/bin/activate && dvc exp run --name retrain-$$(date +%Y%m%d-%H%M%S)
+	source $(VENV)/bin/activate && dominospec retrain --params $(PARAMS)
 
 clean-venv:
 	rm -rf $(VENV)

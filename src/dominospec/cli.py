@@ -78,6 +78,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     srv.add_argument("--host", help="default: serve.host")
     srv.add_argument("--port", type=int, help="default: serve.port (0 = any free port, built-in server)")
     srv.add_argument("--backend", choices=["auto", "sglang", "builtin"], help="default: serve.backend")
+    srv.add_argument("--no-champion", action="store_true",
+                     help="serve paths.draft even when the registry has a champion (retrain.registered_model)")
+    ret = sub.add_parser("retrain", help="new data snapshot, dvc repro, gate, register; the champion moves only "
+                                         "on a pass (exit 0 promoted, 1 rejected, 2 failed)")
+    ret.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     if args.command == "evaluate" and args.concurrency is not None and not args.server:
         parser.error("--concurrency applies to --server only")
@@ -95,7 +100,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(lambda: generate(load_params(args.params), args.prompt, args.mode))
     if args.command == "serve":
         serve = _resolve("dominospec.serve.launch:serve")
-        return _run(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend))
+        return _run(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend,
+                                  champion=not args.no_champion))
+    if args.command == "retrain":
+        retrain = _resolve("dominospec.retrain.job:retrain")
+        report: dict = {}
+        code = _run(lambda: report.update(retrain(load_params(args.params))))
+        return code or (0 if report.get("decision") == "promoted" else 1)  # 1: the gate kept the champion
     parser.error(f"unknown command {args.command}")
     return 2
 

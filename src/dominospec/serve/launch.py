@@ -10,10 +10,15 @@ Backends (`serve.backend`, or `--backend`):
            else builtin.
 Host and port default to `serve.host` / `serve.port`. With SGLang the key in `serve.api_key_env`
 is passed on as `--api-key` (SGLang reads it only from its command line).
+
+Which draft: the champion of the MLflow registry (`retrain.registered_model`, alias `champion`, set
+by `dominospec retrain`) when the store has one, announced as `serving <model> version <N>
+(champion)`; else `paths.draft`, as the pipeline left it. `champion=False` skips the registry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -40,12 +45,27 @@ def resolve_backend(choice: str, mode: str) -> str:
     return choice
 
 
-def serve(params: Params, host: Optional[str] = None, port: Optional[int] = None, backend: Optional[str] = None) -> None:
+def with_champion(params: Params) -> Params:
+    """Params -> the same params with `paths.draft` at the registry's champion draft, when there is one."""
+    from dominospec.retrain.registry import champion_draft
+
+    champion = champion_draft(params)
+    if champion is None:
+        print(f"serving {params.paths.draft} (no champion in the registry {params.mlflow.tracking_uri})", flush=True)
+        return params
+    print(f"serving {champion.model} version {champion.version} (champion) from {champion.path}", flush=True)
+    return dataclasses.replace(params, paths=dataclasses.replace(params.paths, draft=str(champion.path)))
+
+
+def serve(params: Params, host: Optional[str] = None, port: Optional[int] = None, backend: Optional[str] = None,
+          champion: bool = True) -> None:
     """Params (+ overrides) -> exec SGLang, or serve with the built-in server until interrupted."""
     cfg = params.serve
     host = cfg.host if host is None else host
     port = cfg.port if port is None else port
     chosen = resolve_backend(backend or cfg.backend, cfg.mode)
+    if champion and cfg.mode != "ar":  # ar serves the target alone
+        params = with_champion(params)
     if chosen == "sglang":
         exec_sglang(sglang_command(params, host, port, api_key=os.environ.get(cfg.api_key_env) or None))
     else:
