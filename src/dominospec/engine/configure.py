@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from dominospec.config import EngineParams, EvaluateParams
 from dominospec.engine.packed import pack_linears
 from dominospec.engine.sampling import Sampling
@@ -22,7 +26,22 @@ def engine_options(cfg: EngineParams) -> EngineOptions:
         ngram_num_draft=cfg.ngram_num_draft,
         ngram_assist=cfg.ngram_assist,
         acceptance_window=cfg.acceptance_window,
+        head_kernel=head_kernel(cfg.head_kernel),
     )
+
+
+def head_kernel(choice: str) -> str:
+    """engine.head_kernel -> the same choice, once Triton can run it here (CUDA, or TRITON_INTERPRET=1 on CPU)."""
+    if choice != "triton":
+        return choice
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise UserError("engine.head_kernel: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
+                        "slowly on CPU); set engine.head_kernel: torch on this machine")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise UserError("engine.head_kernel: triton, but the triton package is not installed") from None
+    return choice
 
 
 def prepare_target(target: Target, cfg: EngineParams) -> int:

@@ -54,7 +54,7 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             z, base_logits = engine._draft_forward(state, x_start, T, K)
             t1 = engine._now()
             draft_chain(engine.draft, z, base_logits, x_start, engine.embed_tokens, Sampling(), None,
-                        engine.mode == "domino", engine.options.candidate_pool)
+                        engine.mode == "domino", engine.options.candidate_pool, kernels=engine.head_kernels)
             t2 = engine._now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)

@@ -16,12 +16,17 @@ proposed. When sampling, q_j (returned dense, [K, V]) is exactly the distributio
 from, which is what lossless speculative sampling needs. `confidence[j]` is q_j(d_j) (greedy:
 the softmax of the scored logits at the argmax), the draft's own belief in d_j; greedy chains
 compute it only when asked (`confidence=True`: a softmax per step).
+
+Kernel choice (params `engine.head_kernel`): `kernels=None` runs the torch ops below; prepared
+`HeadWeights` (engine.head_kernels) run dominospec.kernels instead: a greedy chain is the whole
+on-device rollout (`head_rollout`: no host sync, tokens equal to the torch path in fp32), a sampled
+chain scores each step with `correction_logits` and draws exactly as the torch path does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,26 +54,29 @@ def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Opt
 
 def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
                 sampling: Sampling, generator: Optional[torch.Generator], head: bool, pool_size: int,
-                confidence: bool = True) -> DraftChain:
-    """z [K, H], u [K, V], x_start [1] -> DraftChain of K tokens (see module docstring)."""
+                confidence: bool = True, kernels: Any = None) -> DraftChain:
+    """z [K, H], u [K, V], x_start [1] -> DraftChain of K tokens (see module docstring).
+    `kernels`: None (torch ops) or the head prepared for the Triton kernels (engine.head_kernels)."""
     K, V = base_logits.shape
     want = confidence or not sampling.greedy
     if not head:  # independent draws: all K rows at once
         return _draw_rows(base_logits, sampling, generator, want)
     P = int(draft.config.pure_draft_prefix_len)
     cand = candidate_pool(base_logits, P, pool_size)
-    w2 = draft.embed_proj[2].weight  # [V, r]
-    if cand is not None:
-        w2, scored_base = w2[cand], base_logits[:, cand]  # [M, r], [K, M]: gathered once per block
-    state = draft.gru_step(embed_tokens(x_start), z.new_zeros(1, draft.config.gru_hidden_dim))  # s_0 [1, G]
+    if kernels is not None and sampling.greedy:  # the whole rollout on device
+        from dominospec.kernels.head_rollout import head_rollout
+
+        chain = head_rollout(kernels, z, base_logits, x_start, cand, confidence=want)
+        return DraftChain(chain.tokens, None, chain.confidence)
+    steps = (_torch_steps(draft, z, base_logits, x_start, embed_tokens, cand) if kernels is None
+             else _kernel_steps(kernels, z, base_logits, x_start, cand, sampling))
+    state = steps.start  # s_0 [1, G]
     tokens, probs, beliefs = [], [], []
     for j in range(K):
         if j < P:  # pure draft slot: the base logits over the full vocabulary
             logits, ids = base_logits[j], None
         else:
-            mid = draft.correction_hidden(z[j][None], state)  # [1, r]
-            base = base_logits[j] if cand is None else scored_base[j]
-            logits, ids = base + F.linear(mid.to(w2.dtype), w2)[0], cand  # [V] or [M]
+            logits, ids = steps.score(j, state), cand  # [V] or [M]
         d, q_scored, c = _draw(logits, sampling, generator, want)
         token = d if ids is None else ids[d]
         tokens.append(token)
@@ -76,9 +84,56 @@ def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start:
         if q_scored is not None:
             probs.append(q_scored if ids is None else q_scored.new_zeros(V).index_copy_(0, ids, q_scored))
         if j + 1 < K:
-            state = draft.gru_step(embed_tokens(token.reshape(1)), state)  # s_{j+1} has consumed d_{j+1}
+            state = steps.advance(token, state)  # s_{j+1} has consumed d_{j+1}
     return DraftChain(torch.stack(tokens).reshape(K), torch.stack(probs) if probs else None,
                       torch.stack(beliefs).reshape(K) if want else None)
+
+
+class _Steps(NamedTuple):
+    """One head path: s_0 [1, G]; score(j, s_j) -> corrected logits of slot j ([V], or [M] over the pool);
+    advance(token, s_j) -> s_{j+1}."""
+
+    start: torch.Tensor
+    score: Callable[[int, torch.Tensor], torch.Tensor]
+    advance: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _torch_steps(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
+                 cand: Optional[torch.Tensor]) -> _Steps:
+    """The head as the model's torch ops."""
+    w2 = draft.embed_proj[2].weight  # [V, r]
+    scored_base = base_logits
+    if cand is not None:
+        w2, scored_base = w2[cand], base_logits[:, cand]  # [M, r], [K, M]: gathered once per block
+
+    def score(j: int, state: torch.Tensor) -> torch.Tensor:
+        mid = draft.correction_hidden(z[j][None], state)  # [1, r]
+        return scored_base[j] + F.linear(mid.to(w2.dtype), w2)[0]
+
+    def advance(token: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return draft.gru_step(embed_tokens(token.reshape(1)), state)
+
+    start = draft.gru_step(embed_tokens(x_start), z.new_zeros(1, draft.config.gru_hidden_dim))
+    return _Steps(start, score, advance)
+
+
+def _kernel_steps(kernels: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                  cand: Optional[torch.Tensor], sampling: Sampling) -> _Steps:
+    """The head on the Triton kernels: fused GRU cell, W1 as z_proj + W1_s . s, fused SiLU . W2 + u (fp32 row)."""
+    from dominospec.kernels.correction_sample import correction_logits
+    from dominospec.kernels.gru_cell import gru_cell
+
+    z_proj = F.linear(z.to(kernels.w1_z.dtype), kernels.w1_z)  # [K, r], all slots at once
+
+    def score(j: int, state: torch.Tensor) -> torch.Tensor:
+        h = torch.addmv(z_proj[j], kernels.w1_s, state[0])[None]  # W1 . [z_j ; s_j], [1, r]
+        return correction_logits(h, kernels.w2, base_logits[j:j + 1], cand, sampling.temperature).logits[0]
+
+    def advance(token: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return gru_cell(token.reshape(1), state, kernels.gru)
+
+    zeros = kernels.gru.w_hh.new_zeros(1, kernels.gru.w_hh.shape[1])
+    return _Steps(gru_cell(x_start.reshape(1), zeros, kernels.gru), score, advance)
 
 
 def _draw_rows(logits: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],

@@ -45,6 +45,7 @@ from transformers import DynamicCache
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.features import FeatureTap
+from dominospec.engine.head_kernels import prepare_head_kernels
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
@@ -74,6 +75,7 @@ class EngineOptions:
     ngram_num_draft: int = 7  # prompt lookup: most tokens proposed per round when num_draft is None
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
+    head_kernel: str = "torch"  # Domino rollout: "torch" ops or "triton" kernels (dominospec.kernels); greedy chains equal in fp32
 
 
 class SpecEngine:
@@ -97,6 +99,7 @@ class SpecEngine:
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.cache_arg = cache_argument(self.model)
         self.draft, self.num_draft, self.block_size, self.layer_ids = None, 0, 1, []
+        self.head_kernels = None  # the head prepared for the Triton kernels (engine.head_kernel: triton)
         self.auto = num_draft == "auto"
         self.cost: Optional[RoundCost] = None  # auto-K: measured by `calibrate`
         if mode == "ar":
@@ -115,6 +118,8 @@ class SpecEngine:
             raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
         self.draft_dtype = options.draft_dtype or self.dtype
         self.draft, self.draft_lm_head = self._draft_path(draft.eval())
+        if mode == "domino" and options.head_kernel == "triton":
+            self.head_kernels = prepare_head_kernels(self.draft, self.embed_tokens)
         self.block_size = int(draft.config.block_size)
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
@@ -266,7 +271,8 @@ class SpecEngine:
         t1 = self._now()
         if drafted:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
-                                self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0)
+                                self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
+                                kernels=self.head_kernels)
             K = self._cut(chain)
         t2 = self._now()
 
