@@ -9,8 +9,9 @@ A normalised conversation is `{"id": str, "messages": [{"role", "content"}, ...]
 
 Both record forms are accepted, told apart per message: ShareGPT `{"from", "value"}` and OpenAI
 `{"role", "content"}`, under a `conversations` or a `messages` list. A record that cannot be
-used is skipped under a named reason; a message that is dropped from a kept conversation is
-counted separately (`dropped_messages`).
+used is skipped under a named reason (text holding lone surrogates, which UTF-8 cannot encode, is
+`invalid_text`); a message that is dropped from a kept conversation is counted separately
+(`dropped_messages`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def _read_message(raw: Any) -> tuple[str, str]:
         raise Skip("wrong_type")
     if role.lower() not in ROLES:
         raise Skip("unknown_role")
+    if not _is_utf8(content):
+        raise Skip("invalid_text")
     return ROLES[role.lower()], content
 
 
@@ -159,4 +162,16 @@ def _record_id(record: dict[str, Any], messages: list[dict[str, str]]) -> str:
         return "sha256-" + hashlib.sha256(text.encode()).hexdigest()[:16]
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         raise Skip("wrong_type")
+    if isinstance(rid, str) and not _is_utf8(rid):
+        raise Skip("invalid_text")
     return str(rid).strip()
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text holding lone surrogates: JSON's "\\ud800" escape decodes to one, but neither UTF-8,
+    Arrow nor a tokenizer can hold it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

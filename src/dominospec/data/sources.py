@@ -26,7 +26,8 @@ HUB_PREFIX = "hub:"
 
 _SEPARATOR = re.compile(r"\s*,?\s*")  # between array elements: whitespace around one comma
 _BLANK = re.compile(r"\s*")
-_LITERALS = ("true", "false", "null")
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # Python's json reads the last three
+_NUMBER_TAIL = re.compile(r"[-+.eE0-9]+")  # what a number cut after its integer digits leaves undecoded
 
 
 @dataclass
@@ -90,12 +91,17 @@ def _parse_array(text: str, pos: int, where: str) -> tuple[list[Any], bool]:
                 raise UserError(f"{where}: not JSON: line {line} column {col}: data after the closing ']'")
             return records, False
         try:
-            record, pos = decoder.raw_decode(text, pos)
+            record, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             if _runs_out_of_input(text, err):
                 return records, True
             raise UserError(f"{where}: not JSON: line {err.lineno} column {err.colno}: {err.msg}") from None
+        except (ValueError, RecursionError) as err:  # over 4300 digits, nested past the recursion limit
+            raise _unreadable(text, pos, where, err) from None
+        if end == n and _may_be_cut(record):
+            return records, True
         records.append(record)
+        pos = end
 
 
 def _parse_lines(text: str, where: str) -> tuple[list[Any], bool]:
@@ -105,22 +111,44 @@ def _parse_lines(text: str, where: str) -> tuple[list[Any], bool]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        is_last = number == len(lines)  # no newline after it
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as err:
-            is_last = number == len(lines)  # no newline after it
             if is_last and _runs_out_of_input(line, err):
                 return records, True
             raise UserError(f"{where}: not JSON: line {number} column {err.colno}: {err.msg}") from None
+        except (ValueError, RecursionError) as err:  # over 4300 digits, nested past the recursion limit
+            raise UserError(f"{where}: line {number}: unreadable JSON value: {_reason(err)}") from None
+        if is_last and _may_be_cut(record):
+            return records, True
+        records.append(record)
     return records, False
 
 
 def _runs_out_of_input(text: str, err: json.JSONDecodeError) -> bool:
-    """True when the decoder failed only because the text ended, i.e. the value was cut off."""
+    """True when the decoder failed only because the text ended, i.e. the value was cut off: inside a
+    string or an escape, a literal, or a number's fraction or exponent ("1.", "1e-", "-")."""
     if err.msg.startswith("Unterminated string"):  # raised only on reaching the end of the text
         return True
     rest = text[err.pos :].strip()
-    return rest == "" or any(lit.startswith(rest) for lit in _LITERALS)
+    if err.msg.startswith("Invalid \\uXXXX escape"):
+        return '"' not in rest  # the string never closed: the escape was cut, not wrong
+    return rest == "" or any(lit.startswith(rest) for lit in _LITERALS) or _NUMBER_TAIL.fullmatch(rest) is not None
+
+
+def _may_be_cut(record: Any) -> bool:
+    """A bare number that ends the text may have lost digits ("12" of "123"); other values end in a delimiter."""
+    return isinstance(record, (int, float)) and not isinstance(record, bool)
+
+
+def _unreadable(text: str, pos: int, where: str, err: Exception) -> UserError:
+    line, col = _line_col(text, pos)
+    return UserError(f"{where}: line {line} column {col}: unreadable JSON value: {_reason(err)}")
+
+
+def _reason(err: Exception) -> str:
+    return "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
