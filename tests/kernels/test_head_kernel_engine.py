@@ -1,0 +1,94 @@
+"""engine.head_kernel: triton against torch on tiny random drafts (fp32): the same chains, the same rounds.
+
+- draft_chain with the prepared kernels equals the torch path token for token (greedy, full
+  vocabulary and candidate pool; confidence within 1e-5), and sampled chains draw the same tokens
+  from the same q (within 1e-5) for the same generator seed;
+- SpecEngine(head_kernel="triton") generates what head_kernel torch generates, with equal
+  acceptance round by round (identical drafts);
+- the switch raises a UserError naming the key where Triton cannot run.
+Run: python -m pytest tests/kernels/test_head_kernel_engine.py -q
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_helpers import DEVICE  # noqa: F401  (skips the module when triton is absent)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import random_prompts, tiny_draft, tiny_target  # noqa: E402
+
+from dominospec.config import load_params  # noqa: E402
+from dominospec.engine import EngineOptions, SpecEngine  # noqa: E402
+from dominospec.engine.configure import engine_options  # noqa: E402
+from dominospec.engine.head_kernels import prepare_head_kernels  # noqa: E402
+from dominospec.engine.rollout import draft_chain  # noqa: E402
+from dominospec.engine.sampling import Sampling  # noqa: E402
+from dominospec.errors import UserError  # noqa: E402
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("qwen3", vocab=V, dtype=torch.float32, scale=0.2)
+    draft = tiny_draft(target, block_size=8, seed=4)
+    return target, draft, prepare_head_kernels(draft, target.embed_tokens)
+
+
+def blocks(target, n, K=7, H=32):
+    g = torch.Generator().manual_seed(11)
+    for i in range(n):
+        z = torch.randn(K, H, generator=g)
+        yield z, target.lm_head(z).detach(), torch.tensor([3 + i])
+
+
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_greedy_chain_equals_torch(setup, pool_size):
+    target, draft, kernels = setup
+    changed = 0
+    with torch.inference_mode():
+        for z, base, x_start in blocks(target, 4):
+            args = (draft, z, base, x_start, target.embed_tokens, Sampling(), None, True, pool_size)
+            ref, fast = draft_chain(*args), draft_chain(*args, kernels=kernels)
+            assert fast.tokens.tolist() == ref.tokens.tolist()
+            torch.testing.assert_close(fast.confidence, ref.confidence, atol=1e-5, rtol=0)
+            changed += fast.tokens.tolist() != base.argmax(-1).tolist()
+    assert changed, "the head never changed a token: the comparison would only test the base argmax"
+
+
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_sampled_chain_draws_from_the_same_q(setup, pool_size):
+    target, draft, kernels = setup
+    sampling = Sampling(temperature=0.8, top_k=40)
+    with torch.inference_mode():
+        for z, base, x_start in blocks(target, 2):
+            args = (draft, z, base, x_start, target.embed_tokens, sampling)
+            ref = draft_chain(*args, torch.Generator().manual_seed(1), True, pool_size)
+            fast = draft_chain(*args, torch.Generator().manual_seed(1), True, pool_size, kernels=kernels)
+            assert fast.tokens.tolist() == ref.tokens.tolist()
+            torch.testing.assert_close(fast.probs, ref.probs, atol=1e-5, rtol=0)
+
+
+def test_engine_with_triton_head_equals_torch_head(setup):
+    target, draft, _ = setup
+    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(candidate_pool=0))
+    triton_engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="triton"))
+    assert torch_engine.head_kernels is None and triton_engine.head_kernels is not None
+    for prompt in random_prompts(3, V, seed=5):
+        a, b = torch_engine.generate(prompt, 16), triton_engine.generate(prompt, 16)
+        assert b.token_ids == a.token_ids
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths  # the same drafts, round by round
+
+
+def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
+    cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
+    assert cfg.head_kernel == "torch"
+    triton_cfg = dataclasses.replace(cfg, head_kernel="triton")
+    assert engine_options(triton_cfg).head_kernel == "triton"  # interpreter (or CUDA) here
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="engine.head_kernel"):
+        engine_options(triton_cfg)

@@ -1,0 +1,75 @@
+"""kernels.head_rollout (the whole greedy rollout on device) against its plain-torch reference.
+
+fp32: tokens equal token for token (the kernels differ from torch only in fp32 summation order);
+confidence within 1e-5 of the reference softmax. bf16: the reference rounds every op to bf16 while
+the kernels keep fp32 inside, so a chain may part at a near-tie; the first divergence, if any, must
+be one (reference margin <= 2 bf16 ulps of the top logit), as for real-model runs (DESIGN.md §6).
+Run: python -m pytest tests/kernels/test_head_rollout.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_helpers import DEVICE
+
+from dominospec.kernels.head_rollout import head_rollout, head_rollout_reference, head_weights
+
+CASES = [  # V, H, G, r, K, P
+    (203, 37, 19, 13, 7, 1),
+    (131, 20, 11, 9, 5, 2),
+    (77, 9, 5, 3, 1, 1),  # K = P: no corrected step
+]
+
+
+def make(V, H, G, r, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(V, H, generator=g)
+    w_ih = torch.randn(3 * G, H, generator=g) / H ** 0.5
+    w_hh = torch.randn(3 * G, G, generator=g) / G ** 0.5
+    w1 = torch.randn(r, H + G, generator=g) / (H + G) ** 0.5 * 2
+    w2 = torch.randn(V, r, generator=g) / r ** 0.5 * 2  # a correction as large as the base: it changes tokens
+    z = torch.randn(K, H, generator=g)
+    base = torch.randn(K, V, generator=g)
+    return [t.to(DEVICE, dtype) for t in (embed, w_ih, w_hh, w1, w2, z, base)]
+
+
+def pool_of(base, P, M):
+    return torch.topk(base[P:].max(0).values, M).indices if M else None
+
+
+@pytest.mark.parametrize("use_table", [True, False])
+@pytest.mark.parametrize("pool", [0, 11])
+@pytest.mark.parametrize("V, H, G, r, K, P", CASES)
+def test_fp32_chain_equals_reference(V, H, G, r, K, P, pool, use_table):
+    embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.float32, seed=K)
+    x_start = torch.tensor([3], device=DEVICE)
+    ids = pool_of(base, P, pool) if K > P else None
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40 if use_table else 0)
+    chain = head_rollout(weights, z, base, x_start, ids, confidence=True, block_v=32)
+    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
+    assert chain.tokens.tolist() == tokens.tolist()
+    expected = torch.stack([F.softmax(s, -1).max() for s in scored])
+    torch.testing.assert_close(chain.confidence, expected, atol=1e-5, rtol=0)
+
+
+def test_the_head_changes_the_chain():
+    """The correction must matter in these tests, else equality would only check the base argmax."""
+    embed, w_ih, w_hh, w1, w2, z, base = make(203, 37, 19, 13, 7, torch.float32, seed=7)
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, 1, 1 << 40)
+    chain = head_rollout(weights, z, base, torch.tensor([3], device=DEVICE), block_v=32)
+    assert chain.tokens.tolist() != base.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_chain_parts_only_at_near_ties(seed):
+    V, H, G, r, K, P = 203, 37, 19, 13, 7, 1
+    embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.bfloat16, seed=seed)
+    x_start = torch.tensor([3], device=DEVICE)
+    chain = head_rollout(head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40), z, base, x_start, block_v=32)
+    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start)
+    got, want = chain.tokens.tolist(), tokens.tolist()
+    if got != want:
+        j = next(i for i in range(K) if got[i] != want[i])
+        top = float(scored[j].float().max())
+        margin = top - float(scored[j][got[j]].float())
+        assert margin <= 2 * 2 ** -7 * max(abs(top), 1.0), (j, margin)
