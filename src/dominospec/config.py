@@ -252,11 +252,17 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate a params file -> `Params`; raises `ParamsError` on any problem."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ParamsError(f"{path}: no such params file") from None
+    except OSError as err:  # a directory, no permission
+        raise ParamsError(f"{path}: cannot read the params file: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ParamsError(f"{path}: not UTF-8 text (byte offset {err.start})") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
+    except RecursionError:
+        raise ParamsError(f"{path}: not valid YAML: nested too deeply") from None
     params = _build(Params, raw, path.name, prefix="", skip={"source"})
     return dataclasses.replace(params, source=path)
 
