@@ -74,7 +74,8 @@ class Registry:
             if err.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise
-        return model.aliases.get(CHAMPION)
+        version = model.aliases.get(CHAMPION)  # an int in MLflow 3; versions are strings everywhere here
+        return None if version is None else str(version)
 
     def champion_score(self) -> Optional[ChampionScore]:
         """-> the champion's gate score from its tags; UserError when the champion carries none."""

@@ -1,0 +1,61 @@
+"""A stand-in for `dvc repro` in the retrain tests: writes what export + evaluate would, in milliseconds.
+
+`retrain.commands` runs `python fake_pipeline.py --params params.yaml` in the test's workspace. It
+reads `candidate.json` there, {"tau", "exact_match", "action"}, and with action
+  ok     writes paths.draft (config.json + model.safetensors unique to this run), dvc.lock and
+         <paths.metrics>/eval.json (eval/report.py's keys: suites.<name>.acceptance_length, ...);
+  exit   writes half a draft, then exits 3 (a crashed `dvc repro`);
+  hang   writes `started` (its pid), waits until `release` exists (60 s at most), then as ok.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from dominospec.config import load_params
+
+
+def write_outputs(params, tau: float, exact_match: float) -> None:
+    draft = Path(params.paths.draft)
+    draft.mkdir(parents=True, exist_ok=True)
+    (draft / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": 8}))
+    weights = f"weights tau={tau} t={time.time_ns()} pid={os.getpid()}".encode()  # unique per run
+    (draft / "model.safetensors").write_bytes(weights)
+    Path("dvc.lock").write_text(f"schema: '2.0'\nstages: {{}}  # {time.time_ns()}\n")
+
+    def suite(t: float) -> dict:
+        return {"acceptance_length": t, "acceptance_length_se": 0.02, "exact_match": exact_match,
+                "speedup": 1.1, "n_prompts": 16, "acceptance_length_no_head": t - 0.05}
+
+    report = {"suites": {"sharegpt": suite(tau), "humaneval": suite(tau - 0.1)}, "empty_suites": {},
+              "spec_mode": "domino", "draft_dir": str(draft), "draft_sha256": hashlib.sha256(weights).hexdigest()}
+    metrics = Path(params.paths.metrics)
+    metrics.mkdir(parents=True, exist_ok=True)
+    (metrics / "eval.json").write_text(json.dumps(report))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--params", required=True)
+    params = load_params(parser.parse_args().params)
+    candidate = json.loads(Path("candidate.json").read_text())
+    if candidate["action"] == "exit":
+        Path(params.paths.draft).mkdir(parents=True, exist_ok=True)
+        (Path(params.paths.draft) / "model.safetensors").write_bytes(b"half")
+        print("fake pipeline: dying mid-run", file=sys.stderr)
+        return 3
+    if candidate["action"] == "hang":
+        Path("started").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not Path("release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    write_outputs(params, candidate["tau"], candidate["exact_match"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
