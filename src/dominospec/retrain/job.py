@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,15 @@ def check_gate_params(params: Params) -> None:
 
 
 def run_commands(commands: list[list[str]]) -> None:
-    """Run each argv in order (output passes through); RetrainFailed at the first that does not exit 0."""
+    """Run each argv in order (output passes through); RetrainFailed at the first that does not exit 0.
+
+    The interpreter's bin dir leads PATH, so `dvc` and the `python` of dvc.yaml's stage commands are
+    the environment running the retrain (cron and systemd need no activated venv)."""
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     for argv in commands:
         print(f"retrain: $ {shlex.join(argv)}", flush=True)
         try:
-            code = subprocess.run(argv).returncode
+            code = subprocess.run(argv, env=env).returncode
         except OSError as err:
             raise RetrainFailed(f"`{shlex.join(argv)}` could not start: {err}") from None
         if code != 0:
