@@ -141,7 +141,7 @@ def check_scoring_inputs(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, 
 
 
 def correction_argmax(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids: Optional[torch.Tensor] = None,
-                      out: Optional[Argmax] = None, block_v: int = 256, block_r: int = 64) -> Argmax:
+                      out: Optional[Argmax] = None, block_v: int = 128, block_r: int = 64) -> Argmax:
     """h [N, r] (pre-SiLU), W2 [V, r], base logits [N, V], pool ids [M] or None -> Argmax [N].
 
     `out` (optional) receives the result in place: e.g. token = a slot of a rollout's device-side

@@ -69,7 +69,7 @@ def _correction_logits_kernel(
 
 
 def correction_logits(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids: Optional[torch.Tensor] = None,
-                      temperature: float = 1.0, block_v: int = 256, block_r: int = 64) -> CorrectedLogits:
+                      temperature: float = 1.0, block_v: int = 128, block_r: int = 64) -> CorrectedLogits:
     """h [N, r] (pre-SiLU), W2 [V, r], base logits [N, V], pool ids [M] or None -> CorrectedLogits."""
     if not temperature > 0:
         raise ValueError(f"correction_logits needs temperature > 0, got {temperature}")

@@ -131,7 +131,7 @@ def gru_weights(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, tab
 
 
 def gru_cell(token: torch.Tensor, state: torch.Tensor, weights: GruWeights, out: Optional[torch.Tensor] = None,
-             block_g: int = 16, block_k: int = 128) -> torch.Tensor:
+             block_g: int = 8, block_k: int = 128) -> torch.Tensor:
     """token [N] (long, on device), state [N, G] -> next state [N, G] in state's dtype (written to `out`).
 
     No host sync: the token is read by the kernel. `out` must not alias `state` (every program

@@ -92,7 +92,8 @@ def head_weights(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, w1
 
 
 def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
-                 pool_ids: Optional[torch.Tensor] = None, confidence: bool = False, block_v: int = 256) -> HeadChain:
+                 pool_ids: Optional[torch.Tensor] = None, confidence: bool = False,
+                 block_v: int = 128) -> HeadChain:
     """z [K, H], u [K, V] (last dim contiguous), x_start [1] (long, on device), pool ids [M] or None
     -> HeadChain (greedy). Same tokens as `head_rollout_reference` up to fp32 summation order."""
     K = z.shape[0]

@@ -1,0 +1,261 @@
+"""Time the Domino head rollout at Qwen3-8B shapes on one GPU: eager torch, torch in a CUDA graph, Triton + graph, pool.
+
+Measurement (i) of the kernel issue. Random weights at Qwen3-8B shapes (hidden 4096, GRU 1024,
+rank 256, vocab 151,936), block 16 -> K = 15 drafts, pure_draft_prefix_len 1 -> 14 corrected
+steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start, z, u -> d_1..d_15):
+
+    torch (eager)            the engine's torch ops (kernels.head_rollout.head_rollout_reference)
+    torch + graph            the same ops captured in one CUDA graph
+    triton (eager)           kernels.head_rollout, launched from Python
+    triton + graph           the same captured in one CUDA graph       target <= 0.45 ms
+    triton, GEMV GRU + graph no [V, 3G] table: W_ih streamed per step (the ≈113 MB/step floor)
+    pool torch / pool triton the top-2048 candidate pool; pool triton + graph: target <= 0.10 ms
+
+Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
+- every graph'd path's tokens equal its own eager run's, exactly (same kernels);
+- Triton vs torch in fp32 (weights upcast, untimed): tokens equal, or the first difference at a
+  near-tie (top-2 margin <= 1e-4 of the top logit);
+- Triton vs torch in bf16: torch rounds every op to bf16, the kernels keep fp32 inside, so the
+  chains may part; the first difference must be a near-tie (margin <= 2 bf16 ulps of the top logit).
+The exit status is 1 if any check fails. Prints a markdown table last; --out writes JSON.
+
+    python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v 128]
+    python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
+
+Needs only torch and triton (the repo's kernels/ is imported from the checkout if dominospec is
+not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_8B = dict(vocab=151936, hidden=4096, gru=1024, rank=256, num_draft=15, prefix=1, pool=2048)
+SMOKE = dict(vocab=1000, hidden=64, gru=32, rank=16, num_draft=5, prefix=1, pool=64)
+HBM_BYTES_PER_S = 4.8e12  # H200
+
+
+def import_kernels():
+    """dominospec.kernels from the install, else straight from this checkout's kernels/ folder."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        import dominospec.kernels  # noqa: F401
+    except ModuleNotFoundError:
+        sys.path.insert(0, str(repo / "src"))  # dominospec/__init__ imports nothing
+        spec = importlib.util.spec_from_file_location("dominospec.kernels", repo / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(repo / "kernels")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dominospec.kernels"] = module
+        spec.loader.exec_module(module)
+    import dominospec.kernels.head_rollout as head_rollout
+
+    return head_rollout
+
+
+def random_head(s: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
+    """Random weights and one block's inputs; the correction is as large as the base logits, so it changes tokens."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    V, H, G, r, K = s["vocab"], s["hidden"], s["gru"], s["rank"], s["num_draft"]
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
+
+    return dict(embed=randn(V, H, std=0.02), w_ih=randn(3 * G, H, std=1 / H ** 0.5 * 25),
+                w_hh=randn(3 * G, G, std=1 / G ** 0.5), w1=randn(r, H + G, std=1 / (H + G) ** 0.5 * 2),
+                w2=randn(V, r, std=2 / r ** 0.5), z=randn(K, H), base=randn(K, V),
+                x_start=torch.tensor([17], device=device))
+
+
+def pool_ids(base: torch.Tensor, first: int, size: int) -> torch.Tensor:
+    """SGLang's pool (engine.rollout.candidate_pool): top-M of the max over the corrected rows' base logits."""
+    return torch.topk(base[first:].max(dim=0).values, size).indices
+
+
+def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int) -> dict:
+    """Path name -> a no-argument function returning (tokens [K], scored logits or None); no host sync inside."""
+    P = s["prefix"]
+    args = (w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], P)
+    with_table = hr.head_weights(*args, table_budget_bytes=table_budget)
+    no_table = hr.head_weights(*args, table_budget_bytes=0)
+
+    def torch_full():
+        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"])
+
+    def torch_pool():
+        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"], pool_ids(w["base"], P, s["pool"]))
+
+    def triton(weights, pool):
+        def run():
+            ids = pool_ids(w["base"], P, s["pool"]) if pool else None
+            return hr.head_rollout(weights, w["z"], w["base"], w["x_start"], ids, block_v=block_v).tokens, None
+        return run
+
+    return {"torch": torch_full, "pool torch": torch_pool, "triton": triton(with_table, False),
+            "triton, GEMV GRU": triton(no_table, False), "pool triton": triton(with_table, True)}
+
+
+def capture(fn):
+    """fn -> (replay, static outputs): fn captured in one CUDA graph after warm-up (compiles, cuBLAS handles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def median_ms(fn, reps: int, cuda: bool) -> float:
+    """Median wall time of fn() in ms (CUDA events per call on the GPU)."""
+    for _ in range(min(reps, 10)):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def compare(ref_tokens, ref_scored, pool, tokens, rel_margin: float) -> dict:
+    """Tokens vs a reference chain -> {equal, first_divergence, margin, ok}. ok: equal, or parted where the
+    reference's scored logits put the other token within rel_margin · |top| of the top (a near-tie).
+    ref_scored None (a kernel path as reference): only equality is ok."""
+    want, got = ref_tokens.tolist(), tokens.tolist()
+    if want == got:
+        return dict(equal=True, first_divergence=None, margin=None, ok=True)
+    j = next(i for i in range(len(want)) if want[i] != got[i])
+    if ref_scored is None:
+        return dict(equal=False, first_divergence=j, margin=None, ok=False)
+    scored = ref_scored[j].float()  # [V], or [M] over the pool for a corrected step
+    column = got[j]
+    if pool is not None and scored.numel() == pool.numel():
+        hits = (pool == got[j]).nonzero()
+        if hits.numel() == 0:  # outside the pool: not a tie of anything the reference scored
+            return dict(equal=False, first_divergence=j, margin=None, ok=False)
+        column = int(hits[0, 0])
+    top = float(scored.max())
+    margin = top - float(scored[column])
+    return dict(equal=False, first_divergence=j, margin=margin, ok=margin <= rel_margin * max(abs(top), 1.0))
+
+
+def run(args) -> dict:
+    hr = import_kernels()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    s = SMOKE if args.smoke else QWEN3_8B
+    budget = int(args.table_budget_gb * 2 ** 30)
+    rows, checks = [], []
+
+    # fp32 correctness, untimed: Triton (eager, and graph'd on the GPU) vs eager torch
+    w32 = random_head(s, torch.float32, device)
+    paths = rollouts(hr, w32, s, args.block_v, budget)
+    ref_full, ref_pool = paths["torch"](), paths["pool torch"]()
+    pool32 = pool_ids(w32["base"], s["prefix"], s["pool"])
+    for name, ref, pool in (("triton", ref_full, None), ("pool triton", ref_pool, pool32)):
+        tokens = (capture(paths[name])[1] if cuda else paths[name]())[0]
+        if cuda:
+            torch.cuda.synchronize()
+        checks.append(dict(check=f"fp32 {name}{' + graph' if cuda else ''} vs eager torch",
+                           **compare(ref[0], ref[1], pool, tokens, 1e-4)))
+    del w32, paths
+
+    # bf16 timing: each path eager and (on the GPU) graph'd
+    w = random_head(s, torch.bfloat16, device)
+    paths = rollouts(hr, w, s, args.block_v, budget)
+    pool16 = pool_ids(w["base"], s["prefix"], s["pool"])
+    eager = {name: fn() for name, fn in paths.items()}
+    for name, fn in paths.items():
+        rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, args.reps, cuda)))
+        if not cuda:
+            continue
+        replay, out = capture(fn)
+        replay()
+        torch.cuda.synchronize()
+        checks.append(dict(check=f"bf16 {name} + graph vs its eager run",
+                           **compare(eager[name][0], None, None, out[0], 0.0)))
+        rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
+    bf16_ulps = 2 * 2 ** -7  # 2 ulps of bf16 (8 significant bits), relative to the top logit
+    checks.append(dict(check="bf16 triton vs eager torch",
+                       **compare(*eager["torch"], None, eager["triton"][0], bf16_ulps)))
+    checks.append(dict(check="bf16 pool triton vs pool torch",
+                       **compare(*eager["pool torch"], pool16, eager["pool triton"][0], bf16_ulps)))
+
+    V, H, G, r, P, K = s["vocab"], s["hidden"], s["gru"], s["rank"], s["prefix"], s["num_draft"]
+    # bf16 bytes read per corrected step: W2, the base row, W_hh, W1 (GEMV: all of W_ih; table: one row, W1_s)
+    per_step_gemv = 2 * (V * r + V + 3 * G * G + 3 * G * H + (H + G) * r)
+    per_step_table = 2 * (V * r + V + 3 * G * G + 3 * G + G * r)
+    return dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
+        device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        torch=torch.__version__, triton=__import__("triton").__version__, cuda=torch.version.cuda,
+        shapes=dict(s, corrected_steps=K - P, dtype="bfloat16", batch=1), block_v=args.block_v,
+        gru_table=V * 3 * G * 2 <= budget, reps=args.reps,
+        memory_floor_ms=dict(gemv_gru=per_step_gemv * (K - P) / HBM_BYTES_PER_S * 1e3,
+                             table_gru=per_step_table * (K - P) / HBM_BYTES_PER_S * 1e3,
+                             mb_per_step_gemv=per_step_gemv / 1e6, mb_per_step_table=per_step_table / 1e6),
+        targets_ms={"triton + graph": 0.45, "pool triton + graph": 0.10},
+        rows=rows, checks=checks, ok=all(c["ok"] for c in checks),
+    )
+
+
+def table(result: dict) -> str:
+    targets = result["targets_ms"]
+    lines = ["| path | head rollout (ms) | target |", "|---|---|---|"]
+    lines += [f"| {r['path']} | {r['ms']:.3f} | {('≤ %.2f' % targets[r['path']]) if r['path'] in targets else ''} |"
+              for r in result["rows"]]
+    floor = result["memory_floor_ms"]
+    lines.append(f"| memory floor, GEMV GRU ({floor['mb_per_step_gemv']:.1f} MB/step at 4.8 TB/s) | "
+                 f"{floor['gemv_gru']:.3f} | |")
+    lines.append(f"| memory floor, table GRU ({floor['mb_per_step_table']:.1f} MB/step) | {floor['table_gru']:.3f} | |")
+    lines += ["", "| check | equal | first divergence | margin | ok |", "|---|---|---|---|---|"]
+    lines += [f"| {c['check']} | {c['equal']} | {c['first_divergence']} | {c['margin']} | {c['ok']} |"
+              for c in result["checks"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON result path")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--block-v", type=int, default=128, help="vocabulary columns per program of the W2 kernel")
+    parser.add_argument("--table-budget-gb", type=float, default=2.0, help="GRU [V, 3G] table when it fits")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        args.reps = min(args.reps, 3)
+    elif not torch.cuda.is_available():
+        sys.exit("error: no CUDA device (use --smoke on CPU)")
+    result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
+          f"shapes {result['shapes']}; JSON: {args.out}\n")
+    print(table(result))
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
