@@ -54,6 +54,7 @@ class Sampling:
             sorted_probs = sorted_scores.softmax(-1)
             # Drop a token when the mass strictly before it already reaches top_p (the first stays).
             drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+            drop_sorted[..., 0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             scores = scores.masked_fill(drop, float("-inf"))
         return scores.softmax(-1)

@@ -4,18 +4,21 @@
 
 `ApiError` is raised anywhere while a request is handled. `install_handlers` turns it, FastAPI's
 validation errors (400, not 422), routing errors (404, 405) and any unexpected exception (500; the
-server keeps serving) into that body. 4xx errors have type `invalid_request_error`, 5xx
+server keeps serving, and the client's keep-alive connection stays open: `InternalErrors`) into
+that body. 4xx errors have type `invalid_request_error`, 5xx
 `server_error`; `param` names the offending field (dotted, `messages[0].content`) or is null.
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
 
@@ -63,8 +66,41 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     return ApiError(400, f"'{param}': {msg}" if param else msg, param, "invalid_value")
 
 
+def internal_error(err: Exception) -> ApiError:
+    return ApiError(500, f"internal error: {type(err).__name__}", None, "internal_error")
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception -> 500 in OpenAI's shape, traceback printed, connection kept.
+
+    Starlette's catch-all handler answers the 500 but then re-raises, and uvicorn resets the
+    connection: the client's next request on that keep-alive connection failed too. An exception
+    after the response has started (a stream) still propagates: the body is cut, the connection must go.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:
+            if started or scope["type"] != "http":
+                raise
+            traceback.print_exc()
+            await internal_error(err).response()(scope, receive, send)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Route every error raised while handling a request to an OpenAI-shaped JSON response."""
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -82,4 +118,4 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)  # Starlette re-raises it afterwards: uvicorn logs the traceback
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
-        return ApiError(500, f"internal error: {type(err).__name__}", None, "internal_error").response()
+        return internal_error(err).response()

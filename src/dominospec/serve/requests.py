@@ -84,7 +84,9 @@ class Message(Strict):
             text_parts = (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
             if not all(text_parts):
                 raise ValueError('must be a string or a list of {"type": "text", "text": string} parts')
-            return "".join(p["text"] for p in content)
+            content = "".join(p["text"] for p in content)
+        if isinstance(content, str) and not is_unicode(content):
+            raise ValueError("must be valid Unicode text: it holds a lone surrogate escape (\\ud800-\\udfff)")
         return content
 
 
@@ -117,7 +119,16 @@ class SamplingFields(Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if not all(1 <= len(s) <= MAX_STOP_CHARS for s in stops):
             raise ValueError(f"every stop string must have 1..{MAX_STOP_CHARS} characters")
+        if not all(map(is_unicode, stops)):
+            raise ValueError("must be valid Unicode text: a stop string holds a lone surrogate escape")
         return tuple(stops)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: Optional[str]) -> Optional[str]:
+        if model is not None and not is_unicode(model):  # it is echoed in the answer, which is UTF-8
+            raise ValueError("must be valid Unicode text: it holds a lone surrogate escape")
+        return model
 
     @field_validator("n")
     @classmethod
@@ -184,6 +195,15 @@ def sampling_defaults(generation_config: Any) -> dict[str, Any]:
         return {}
     explicit = generation_config.to_diff_dict()
     return {key: explicit[key] for key in SAMPLING_KEYS if explicit.get(key) is not None}
+
+
+def is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (JSON's "\\udc00" escape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _no_constant(name: str) -> Any:
