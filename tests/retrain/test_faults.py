@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dominospec.retrain.job import retrain
+from dominospec.retrain.job import RetrainFailed, retrain
 from dominospec.retrain.lock import RetrainLock, RetrainLocked
 
 WAIT_S = 30
@@ -41,6 +41,16 @@ def test_crashed_pipeline_leaves_the_champion_and_no_version(workspace, registry
     assert report["decision"] == "failed" and report["champion"] == "1" and "exited with 3" in report["reason"]
     workspace.candidate(tau=1.50)  # the lock is free again
     assert retrain(workspace.params())["decision"] == "promoted"
+
+
+def test_metrics_that_do_not_describe_the_export_are_not_registered(workspace, registry):
+    workspace.candidate(tau=1.30)
+    retrain(workspace.params())
+    workspace.candidate(tau=2.0, action="stale_eval")
+    with pytest.raises(RetrainFailed, match="describes draft weights"):
+        retrain(workspace.params())
+    assert registry.champion_version() == "1" and versions(registry) == ["1"]
+    assert workspace.report()["decision"] == "failed"
 
 
 def test_sigkill_mid_retrain_leaves_the_champion_and_a_lock_that_is_taken_over(workspace, registry, capsys):

@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -107,29 +108,32 @@ def retrain(params: Params) -> dict[str, Any]:
         registry = Registry(params)
         record: dict[str, Any] = {"registered_model": registry.name, "pid": os.getpid(), "started": _now(),
                                   "champion_before": registry.champion_version(), "version": None}
-        registry.champion_score()  # a champion without gate tags fails now, not after the pipeline
         try:
+            registry.champion_score()  # a champion without gate tags fails now, not after the pipeline
             run_commands(cfg.commands)
             eval_json, report, draft_sha = read_eval(params)
+            score = read_score(report, cfg.gate_suite)
+            champion = registry.champion_score()  # read again: the pipeline may have run for hours
+            decision = decide(score, champion, cfg.tolerance)
+            origin = provenance()
+            tags = {**origin, "draft_sha256": draft_sha, **gate_tags(score, cfg.tolerance),
+                    "gate.champion_before": champion.version if champion else "none",
+                    **{f"eval.{k.replace('/', '.')}": str(v) for k, v in eval_metrics(report).items()}}
+            run_id, source = registry.log_candidate(Path(params.paths.draft), eval_json, report, tags)
+            record["version"] = version = registry.register(run_id, source, tags)  # tagged gate.decision pending
+            registry.record(version, decision)
         except Exception as err:
             record.update(decision="failed", reason=str(err), champion=record["champion_before"], finished=_now())
             write_json(out, record)
             print(f"retrain: failed, {registry.name} champion stays version {record['champion_before']}: {err}")
-            raise
-        score = read_score(report, cfg.gate_suite)
-        champion = registry.champion_score()  # read again: the pipeline may have run for hours
-        decision = decide(score, champion, cfg.tolerance)
-        origin = provenance()
-        tags = {**origin, "draft_sha256": draft_sha, **gate_tags(score, cfg.tolerance),
-                "gate.champion_before": champion.version if champion else "none",
-                **{f"eval.{k.replace('/', '.')}": str(v) for k, v in eval_metrics(report).items()}}
-        run_id, source = registry.log_candidate(Path(params.paths.draft), eval_json, report, tags)
-        version = registry.register(run_id, source, tags)
-        registry.record(version, decision)
+            if isinstance(err, UserError):
+                raise
+            traceback.print_exc()  # a bug or a store error: keep its traceback, exit as a failure (2)
+            raise RetrainFailed(f"{type(err).__name__}: {err}") from err
         if decision.promote:
             registry.promote(version)  # the last write: everything before it leaves the champion alone
         record.update(
-            decision="promoted" if decision.promote else "rejected", reason=decision.reason, version=version,
+            decision="promoted" if decision.promote else "rejected", reason=decision.reason,
             champion=version if decision.promote else (champion.version if champion else None),
             gate={"suite": score.suite, "acceptance_length": score.acceptance_length,
                   "acceptance_length_se": score.acceptance_length_se, "exact_match": score.exact_match,
