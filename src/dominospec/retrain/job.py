@@ -141,7 +141,8 @@ def retrain(params: Params) -> dict[str, Any]:
                   "champion_acceptance_length": champion.acceptance_length if champion else None},
             mlflow_run_id=run_id, draft_sha256=draft_sha, **origin, finished=_now())
         write_json(out, record)
-    verdict = "promoted to champion" if decision.promote else f"NOT promoted, champion stays version {record['champion']}"
+    verdict = ("promoted to champion" if decision.promote
+               else f"NOT promoted, champion stays version {record['champion']}")
     print(f"retrain: {registry.name} version {version} {verdict}: {decision.reason} (report: {out})")
     return record
 

@@ -89,7 +89,8 @@ class Registry:
             raise UserError(f"{self.name} version {version} is champion but has no gate.suite / gate.acceptance_length "
                             "tags (set by hand?): tag it, or move the alias to a gated version") from None
 
-    def log_candidate(self, draft: Path, eval_json: Path, report: dict[str, Any], tags: dict[str, str]) -> tuple[str, str]:
+    def log_candidate(self, draft: Path, eval_json: Path, report: dict[str, Any],
+                      tags: dict[str, str]) -> tuple[str, str]:
         """Draft dir + eval.json -> one finished MLflow run holding both; returns (run id, draft artifact URI)."""
         from dominospec.tracking import artifact_uri
 
@@ -111,8 +112,8 @@ class Registry:
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.create_registered_model(self.name, description="Domino drafts registered by `dominospec retrain`; "
-                                                "alias `champion` = the version served")
+            self.client.create_registered_model(
+                self.name, description="Domino drafts registered by `dominospec retrain`; alias `champion` = served")
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -120,7 +121,8 @@ class Registry:
 
     def record(self, version: str, decision: Decision) -> None:
         """The gate's decision and reason -> the version's tags."""
-        self.client.set_model_version_tag(self.name, version, "gate.decision", PROMOTED if decision.promote else REJECTED)
+        outcome = PROMOTED if decision.promote else REJECTED
+        self.client.set_model_version_tag(self.name, version, "gate.decision", outcome)
         self.client.set_model_version_tag(self.name, version, "gate.reason", decision.reason)
 
     def promote(self, version: str) -> None:
