@@ -73,14 +73,15 @@ def tiny_project(root: Path, **serve) -> Path:
 class ServerProcess:
     """`dominospec serve` in a subprocess; output in `log` (a file: a full pipe would block it)."""
 
-    def __init__(self, params: Path, log: Path, env: Optional[dict[str, str]] = None, args: tuple[str, ...] = ()):
-        self.params, self.log, self.args = params, log, args
+    def __init__(self, params: Path, log: Path, env: Optional[dict[str, str]] = None, args: tuple[str, ...] = (),
+                 module: str = "dominospec.cli"):
+        self.params, self.log, self.args, self.module = params, log, args, module  # module: run with `python -m`
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
         self.url = self.name = self.shape = ""
 
     def start(self, timeout: float = 120) -> "ServerProcess":
-        command = [sys.executable, "-m", "dominospec.cli", "serve", "--params", str(self.params), "--port", "0",
+        command = [sys.executable, "-m", self.module, "serve", "--params", str(self.params), "--port", "0",
                    *self.args]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
