@@ -142,7 +142,8 @@ def load_target(params: TargetParams, device: Optional[torch.device] = None) -> 
         common["gguf_file"] = gguf_file
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
-        model = AutoModelForCausalLM.from_pretrained(source, **common, **_dtype_kwarg(DTYPES[params.dtype]))
+        model = AutoModelForCausalLM.from_pretrained(source, **common, **_dtype_kwarg(DTYPES[params.dtype]),
+                                                     use_safetensors=True if gguf_file is None else None)  # no pickled .bin
     except (OSError, ValueError) as err:
         raise TargetError(f"target.model: cannot load '{params.model}': {err}") from err
     model.to(device).eval().requires_grad_(False)

@@ -64,7 +64,7 @@ def load_draft(path: str | Path, target: Target) -> DFlashDraftModel:
         raise UserError(f"{path}/config.json: architectures {architectures} is not one of {list(ARCHITECTURES)}")
     check_draft_matches(config, target)
     try:
-        draft = DFlashDraftModel.from_pretrained(path, config=config)
+        draft = DFlashDraftModel.from_pretrained(path, config=config, use_safetensors=True)  # never a pickled .bin
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"cannot load the draft weights in {path}: {err}") from err
     dtype = target.embed_tokens.weight.dtype
