@@ -19,7 +19,7 @@ Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
   chains may part; the first difference must be a near-tie (margin <= 2 bf16 ulps of the top logit).
 The exit status is 1 if any check fails. Prints a markdown table last; --out writes JSON.
 
-    python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v 128]
+    python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v N]
     python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
 
 Needs only torch and triton (the repo's kernels/ is imported from the checkout if dominospec is
@@ -174,9 +174,11 @@ def run(args) -> dict:
     ref_full, ref_pool = paths["torch"](), paths["pool torch"]()
     pool32 = pool_ids(w32["base"], s["prefix"], s["pool"])
     for name, ref, pool in (("triton", ref_full, None), ("pool triton", ref_pool, pool32)):
-        tokens = (capture(paths[name])[1] if cuda else paths[name]())[0]
-        if cuda:
+        if cuda:  # a captured graph has not run yet: replay it, then read its static outputs
+            replay, out = capture(paths[name])
+            replay()
             torch.cuda.synchronize()
+        tokens = (out if cuda else paths[name]())[0]
         checks.append(dict(check=f"fp32 {name}{' + graph' if cuda else ''} vs eager torch",
                            **compare(ref[0], ref[1], pool, tokens, 1e-4)))
     del w32, paths
@@ -239,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON result path")
     parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--block-v", type=int, default=128, help="vocabulary columns per program of the W2 kernel")
+    parser.add_argument("--block-v", type=int, default=None, help="W2 kernel columns per program (default: scoring_blocks)")
     parser.add_argument("--table-budget-gb", type=float, default=2.0, help="GRU [V, 3G] table when it fits")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
     args = parser.parse_args()

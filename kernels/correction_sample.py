@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dominospec.kernels.correction_argmax import check_scoring_inputs, corrected_logits_reference, corrected_tile
+from dominospec.kernels.correction_argmax import (check_scoring_inputs, corrected_logits_reference, corrected_tile,
+                                                  scoring_blocks)
 
 
 @dataclass
@@ -69,12 +70,15 @@ def _correction_logits_kernel(
 
 
 def correction_logits(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids: Optional[torch.Tensor] = None,
-                      temperature: float = 1.0, block_v: int = 128, block_r: int = 64) -> CorrectedLogits:
+                      temperature: float = 1.0, block_v: Optional[int] = None,
+                      block_r: Optional[int] = None) -> CorrectedLogits:
     """h [N, r] (pre-SiLU), W2 [V, r], base logits [N, V], pool ids [M] or None -> CorrectedLogits."""
     if not temperature > 0:
         raise ValueError(f"correction_logits needs temperature > 0, got {temperature}")
     C = check_scoring_inputs(h, w2, base, ids)
     N, r = h.shape
+    default_v, default_r = scoring_blocks(C, r)
+    block_v, block_r = block_v or default_v, block_r or default_r
     n_blocks = triton.cdiv(C, block_v)
     logits = torch.empty(N, C, dtype=torch.float32, device=h.device)
     part_max = torch.empty(N, n_blocks, dtype=torch.float32, device=h.device)

@@ -131,11 +131,12 @@ def gru_weights(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, tab
 
 
 def gru_cell(token: torch.Tensor, state: torch.Tensor, weights: GruWeights, out: Optional[torch.Tensor] = None,
-             block_g: int = 8, block_k: int = 128) -> torch.Tensor:
+             block_g: int = 2, block_k: int = 1024) -> torch.Tensor:
     """token [N] (long, on device), state [N, G] -> next state [N, G] in state's dtype (written to `out`).
 
     No host sync: the token is read by the kernel. `out` must not alias `state` (every program
-    reads all of s while others write s').
+    reads all of s while others write s'). Default blocks, from an H200 sweep at G = 1024, H = 4096
+    (bf16, timed inside a CUDA graph): many thin programs win, 3.6 µs with the table, 9 µs GEMV.
     """
     N, G = state.shape
     H = weights.embed.shape[1]
@@ -145,6 +146,7 @@ def gru_cell(token: torch.Tensor, state: torch.Tensor, weights: GruWeights, out:
     assert state.stride(-1) == 1 and out.stride(-1) == 1 and token.numel() == N
     table = weights.table
     use_table = table is not None
+    block_k = min(block_k, triton.next_power_of_2(max(G, H)))  # no wider than the longest row
     grid = (triton.cdiv(G, block_g), N)
     _gru_cell_fwd_kernel[grid](
         token, table if use_table else weights.w_hh, weights.embed, weights.w_ih, state, weights.w_hh, out,

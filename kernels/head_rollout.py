@@ -59,7 +59,7 @@ def head_rollout_reference(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.
             base = base_logits[j] if pool_ids is None else scored_base[j]
             logits, ids = base + F.linear(mid, w2), pool_ids  # [V] or [M]
         pos = logits.argmax()
-        token = pos if ids is None else ids[pos]
+        token = pos if ids is None else ids.gather(0, pos.reshape(1))[0]  # not ids[pos]: a 0-d index syncs
         tokens.append(token)
         scored.append(logits)
         if j + 1 < K:
@@ -93,9 +93,10 @@ def head_weights(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, w1
 
 def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
                  pool_ids: Optional[torch.Tensor] = None, confidence: bool = False,
-                 block_v: int = 128) -> HeadChain:
+                 block_v: Optional[int] = None) -> HeadChain:
     """z [K, H], u [K, V] (last dim contiguous), x_start [1] (long, on device), pool ids [M] or None
-    -> HeadChain (greedy). Same tokens as `head_rollout_reference` up to fp32 summation order."""
+    -> HeadChain (greedy). Same tokens as `head_rollout_reference` up to fp32 summation order.
+    block_v: the W2 kernel's columns per program (None: `scoring_blocks`)."""
     K = z.shape[0]
     G = weights.gru.w_hh.shape[1]
     P = weights.pure_draft_prefix_len
