@@ -1,15 +1,20 @@
-"""Where the time of one training step goes on this machine, by phase: full-vocabulary softmax vs
-the loss vocabulary (`train.loss_vocab: data`).
+"""Where the time of one training step goes on this machine, by phase: the cross-entropy as it was
+(fp32 copies of the logits), the chunked one the train stage uses, and the loss vocabulary.
 
 One process, the train stage's own pieces (`DraftLitModule`'s objective, bf16 autocast as
 `precision: bf16-mixed`, AdamW), the default draft (params `draft:`) and real sequences of the
 train split (regenerated when present, else prepared) with random target features of the real
-shape (the features' values do not change the cost). The two variants alternate step by step,
-so both see the same machine load. A block is one anchor's B slots; blocks/s is what training
+shape (the features' values do not change the cost). The variants alternate step by step, so
+all see the same machine load:
+
+    reference  full vocabulary, F.cross_entropy(logits.float()) (the objective before chunked_ce)
+    full       full vocabulary, chunked_cross_entropy (train/chunked_ce.py): the same losses
+    data       `train.loss_vocab: data`, chunked (a different objective: see docs/benchmarks.md)
+ A block is one anchor's B slots; blocks/s is what training
 throughput means here (batch_size x num_anchors blocks per step).
 
     python benchmarks/train_step.py [--params params.yaml] [--steps 8] [--threads 2]
-        [--conversations 192] [--variants full,data]
+        [--conversations 192] [--variants reference,full,data]
 
 Prints ms per phase (blocks, backbone, LM head, Domino head, loss, backward, optimiser), blocks/s
 and V' (the loss vocabulary's size), then one markdown table.
@@ -64,7 +69,18 @@ def build(params, target, layer_ids, vocab):
     return module, torch.optim.AdamW(draft.parameters(), lr=params.train.lr)
 
 
-def step(module, optimizer, batch, timer: Timer, generator) -> float:
+def reference_loss(base, final, labels, mask, weights, lam):
+    """The objective before chunked_ce: F.cross_entropy on fp32 copies of the logits."""
+    def ce(logits):
+        V = logits.shape[-1]
+        rows = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), reduction="none")
+        w = weights * mask.float()
+        return (w * rows.view(labels.shape)).sum() / w.sum().clamp(min=1e-12)
+
+    return (1 - lam) * ce(final) + lam * ce(base)
+
+
+def step(module, optimizer, batch, timer: Timer, generator, reference: bool = False) -> float:
     """One optimiser step of the train stage's objective, phase by phase -> loss."""
     from dominospec.train.objective import domino_loss, make_blocks
 
@@ -89,7 +105,10 @@ def step(module, optimizer, batch, timer: Timer, generator) -> float:
         if vocab is not None:
             columns = module.loss_vocab_index[labels]
             labels, mask = columns.clamp(min=0), mask & (columns >= 0)
-        loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
+        if reference:
+            loss = reference_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
+        else:
+            loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
     with timer.phase("backward"):
         loss.backward()
     with timer.phase("optimizer"):
@@ -111,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--conversations", type=int, help="train sequences (default: cache.max_train_conversations)")
-    parser.add_argument("--variants", default="full,data")
+    parser.add_argument("--variants", default="reference,full,data")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -121,7 +140,7 @@ def main() -> None:
     sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
     vocab = loss_vocabulary(sequences)
     variants = args.variants.split(",")
-    setups = {v: build(params, target, layer_ids, None if v == "full" else vocab) for v in variants}
+    setups = {v: build(params, target, layer_ids, vocab if v == "data" else None) for v in variants}
     timers = {v: Timer() for v in variants}
     feature_dim = len(layer_ids) * target.hidden_size
     bs = params.train.batch_size
@@ -132,18 +151,20 @@ def main() -> None:
         for v in variants:
             timer = timers[v] if i else Timer()
             module, optimizer = setups[v]
-            step(module, optimizer, batch, timer, torch.Generator().manual_seed(i))
+            step(module, optimizer, batch, timer, torch.Generator().manual_seed(i), reference=v == "reference")
 
     blocks = bs * params.train.num_anchors
     print(f"{datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__} "
           f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}; "
           f"{blocks} blocks x B={params.draft.block_size} per step, {args.steps} steps")
-    print("\n| softmax over | " + " | ".join(f"{p} ms" for p in PHASES) + " | step ms | blocks/s |")
+    print("\n| objective | " + " | ".join(f"{p} ms" for p in PHASES) + " | step ms | blocks/s |")
     print("|---|" + "---|" * (len(PHASES) + 2))
     for v in variants:
         ms = {p: timers[v].ms[p] / args.steps for p in PHASES}
         total = sum(ms.values())
-        name = f"full vocabulary ({target.identity.vocab_size})" if v == "full" else f"loss vocabulary ({vocab.numel()})"
+        name = {"reference": f"full vocabulary ({target.identity.vocab_size}), fp32 F.cross_entropy",
+                "full": f"full vocabulary ({target.identity.vocab_size}), chunked CE",
+                "data": f"loss vocabulary ({vocab.numel()}), chunked CE"}[v]
         print(f"| {name} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES) + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
 
 

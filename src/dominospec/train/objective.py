@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dominospec.train.chunked_ce import chunked_cross_entropy
+
 # ----------------------------------------------------------------------------------------------
 # Anchors and block tensors for one sequence
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +232,7 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Te
     """logits [..., Bk, V], labels / label_mask [..., Bk], w [Bk] -> scalar sum(w*CE) / sum(w)
     over supervised slots (0, still attached to the graph, when nothing is supervised)."""
     V = logits.shape[-1]
-    ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), reduction="none").view(labels.shape)
+    ce = chunked_cross_entropy(logits.reshape(-1, V), labels.reshape(-1)).view(labels.shape)  # = F.cross_entropy(fp32)
     w = weights.to(ce.device) * label_mask.float()  # [..., Bk]
     return (w * ce).sum() / w.sum().clamp(min=1e-12)
 

@@ -1,0 +1,41 @@
+"""`chunked_cross_entropy` equals F.cross_entropy on fp32 logits: losses and gradients.
+
+Run: python -m pytest tests/train/test_chunked_ce.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dominospec.train.chunked_ce import CHUNK_ROWS, chunked_cross_entropy
+
+
+def reference(logits, labels):
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, CHUNK_ROWS, 2 * CHUNK_ROWS + 7])
+def test_losses_and_gradients_match_the_reference(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    base = (2 * torch.randn(rows, 1003, generator=g)).to(dtype)  # odd V
+    labels = torch.randint(0, 1003, (rows,), generator=g)
+    weights = 0.5 + torch.rand(rows, generator=g)
+    ours, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    loss_ours, loss_ref = chunked_cross_entropy(ours, labels), reference(ref, labels)
+    torch.testing.assert_close(loss_ours, loss_ref, rtol=0, atol=1e-5)
+    (weights * loss_ours).sum().backward()
+    (weights * loss_ref).sum().backward()
+    assert ours.grad.dtype == dtype
+    # fp32: the same numbers up to summation order; bf16: both round the same fp32 gradient once
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(ours.grad, ref.grad, **tol)
+    assert ours.grad.float().abs().max() > 1e-2  # the comparison is not between zeros
+
+
+def test_a_wrong_label_is_noticed():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g)
+    labels = torch.randint(0, 50, (5,), generator=g)
+    shifted = (labels + 1) % 50
+    assert not torch.allclose(chunked_cross_entropy(logits, shifted), reference(logits, labels), atol=1e-3)
