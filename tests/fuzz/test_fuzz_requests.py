@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from fuzz_helpers import JSON, TEXT, fuzz
@@ -22,7 +21,7 @@ from dominospec.serve.errors import ApiError
 from dominospec.serve.requests import ChatRequest, CompletionRequest, is_unicode, parse_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
-from serve_helpers import KEY, KEY_ENV, ServerProcess, tiny_project  # noqa: E402
+from serve_helpers import KEY_ENV, authorised_client, running_server  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BASES = {CHAT: {"messages": [{"role": "user", "content": "t5 t17 t42"}], "max_tokens": 2},
@@ -98,17 +97,13 @@ def test_parse_request_returns_a_body_or_a_400(case):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz_serve")
-    process = ServerProcess(tiny_project(root, **LIMITS), root / "server.log", env={KEY_ENV: KEY})
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    with running_server(tmp_path_factory.mktemp("fuzz_serve"), LIMITS) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+    with authorised_client(server, timeout=30) as c:
         yield c
 
 

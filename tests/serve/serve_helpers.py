@@ -17,8 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
+import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +113,26 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=15)
+
+
+@contextmanager
+def running_server(root: Path, serve: dict, env: Optional[dict[str, str]] = None,
+                   module: str = "dominospec.cli") -> Iterator[ServerProcess]:
+    """A tiny project under `root` with `serve` params, served by a real process (API key set)
+    for the duration of the block; always stopped and reaped."""
+    process = ServerProcess(tiny_project(root, **serve), root / "server.log", env={KEY_ENV: KEY, **(env or {})},
+                            module=module)
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+@contextmanager
+def authorised_client(server: ServerProcess, timeout: float = 60) -> Iterator[httpx.Client]:
+    """An HTTP client on `server` that sends the API key."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout) as client:
+        yield client
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:

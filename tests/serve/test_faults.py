@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 from faulty_serve import GENERATION_FAULT, HANDLER_FAULT
-from serve_helpers import KEY, KEY_ENV, REPO, ServerProcess, tiny_project
+from serve_helpers import KEY_ENV, REPO, authorised_client, running_server
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from load import send  # noqa: E402
@@ -26,18 +26,14 @@ BAD = f"t5 {GENERATION_FAULT} t7"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    env = {KEY_ENV: KEY, "PYTHONPATH": str(REPO / "tests" / "serve")}
-    process = ServerProcess(tiny_project(root, **LIMITS), root / "server.log", env=env, module="faulty_serve")
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    env = {"PYTHONPATH": str(REPO / "tests" / "serve")}
+    with running_server(tmp_path_factory.mktemp("faults"), LIMITS, env, module="faulty_serve") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with authorised_client(server, timeout=60) as c:
         yield c
 
 

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import KEY, KEY_ENV, REPO, ServerProcess, tiny_project
+from serve_helpers import KEY, KEY_ENV, REPO, authorised_client, running_server
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from load import run_load, send  # noqa: E402
@@ -26,17 +26,13 @@ CLIENTS, REQUESTS, MAX_TOKENS = MAX_QUEUE, 6, 8  # at the bound: each client has
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("load")
-    process = ServerProcess(tiny_project(root, **LIMITS), root / "server.log", env={KEY_ENV: KEY})
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    with running_server(tmp_path_factory.mktemp("load"), LIMITS) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with authorised_client(server, timeout=60) as c:
         yield c
 
 
