@@ -1,0 +1,667 @@
+"""The engine on one GPU: (ii) end to end on SmolLM2-135M, and (iv) a projection for Qwen3-8B.
+
+Measurements (ii) and (iv) of the kernel issue (docs/kernels.md). One process, one command:
+
+    python benchmarks/gpu_engine.py --gguf-dir DIR --draft DRAFT_DIR --suite-from-study data.pt \
+        --out gpu_engine_h200.json [--max-prompts 16] [--new-tokens 256] [--budget-seconds 540] \
+        [--head-json head_kernels_h200.json] [--skip-e2e] [--skip-projection]
+    python benchmarks/gpu_engine.py --smoke --out /tmp/gpu_engine_smoke.json   # CPU, tiny random models
+
+(ii) End to end: the target (`DIR/SmolLM2-135M-Instruct.Q4_1.gguf`, bf16 on CUDA by default) and a
+trained draft; greedy, batch 1, `--new-tokens` per prompt. Prompts come from the packed file of
+benchmarks/draft_study.py (`suites`: sharegpt, humaneval) or from `--prompts` (.pt list, or JSONL of
+{"prompt_ids": [...], "suite": optional}). The suites alternate prompt by prompt, and for each prompt
+every mode runs in turn (interleaved, so all see the same machine drift):
+    ar            SpecEngine "ar": HF eager, one forward per token (the reference of exactness)
+    graph ar      HF `generate`, cache_implementation="static"; on CUDA `generate` compiles the decode
+                  step with torch.compile(mode="reduce-overhead") = CUDA graphs (transformers' own
+                  recipe). Warmed up first; checked token for token against `ar`
+    ngram         SpecEngine "ngram" (prompt lookup, K = ngram_num_draft)
+    dflash        SpecEngine "dflash" (head off, K = B - 1)
+    domino        SpecEngine "domino", head_kernel triton on CUDA (torch on CPU)
+    domino+ngram  the same with ngram_assist
+τ is pooled (DESIGN §6) with its SE over prompts; tokens/s = Σ new tokens ÷ Σ wall time (prefill
+included, timed around each call with torch.cuda.synchronize). Every divergence from `ar` is listed
+with the target's top-2 margin there. `--budget-seconds` stops starting prompts when the next one
+would not fit; the table says how many were done.
+
+(iv) PROJECTION, random weights: a Qwen3-8B-shaped target (bf16), timed forward of 1 and K+1 tokens
+after a `--prefix`-token KV cache (eager: DynamicCache, as the engine verifies; graph: StaticCache +
+an explicit 4-D mask, one CUDA graph per shape, checked against eager); a 5-layer DFlash draft block
+of K+1 slots (DESIGN §4 shapes, `--context-rows` target rows appended first) plus its base logits;
+the head rollout from `--head-json` (benchmarks/head_kernels_gpu.py, row `--head-row`; K = 7 scaled
+by corrected steps) or timed here (Triton + graph). Projected speed-up = τ · t_AR ÷ (t_draft + t_head
++ t_verify(K)), τ in {2, 3, 4, 5}, K in {7, 15}: a model, not a measurement.
+
+Prints progress lines, then markdown tables last; writes JSON to --out after each part. Exit 1 if
+a part failed or a graph check failed. Needs torch, transformers (+ gguf for the target), triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram")
+TAUS = (2, 3, 4, 5)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+SMOKE_QWEN3 = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable, reps: int, cuda: bool, before: Callable = lambda: None) -> float:
+    """Median wall ms of fn() over `reps` calls after 3 warm-ups; `before()` runs untimed before each call."""
+    times = []
+    for i in range(reps + 3):
+        before()
+        sync(cuda)
+        t0 = time.perf_counter()
+        fn()
+        sync(cuda)
+        if i >= 3:
+            times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def capture(fn: Callable, before: Callable = lambda: None):
+    """fn -> (replay, static output): fn captured in one CUDA graph after 3 side-stream warm-ups."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            before()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    before()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+@contextmanager
+def building(device: torch.device, dtype: torch.dtype):
+    """Modules built inside are allocated (and initialised) on `device` in `dtype`: no fp32 CPU init of 8B."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# (ii) end to end
+# ---------------------------------------------------------------------------------------------
+
+
+def smoke_models(device: torch.device):
+    """Tiny random Llama target (word-level tokenizer, EOS 2) and a tiny Domino draft for it, fp32."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
+    from dominospec.target import Target, TargetIdentity
+
+    V, L = 128, 4
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t2")
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # peaked next-token distributions: loops, so lookups and drafts get accepted
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.25)
+    model.to(device).eval().requires_grad_(False)
+    identity = TargetIdentity(name="smoke", revision=None, sha256="smoke", dtype="float32", num_layers=L,
+                              hidden_size=32, vocab_size=V)
+    target = Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
+    draft = DFlashDraftModel(DominoDraftConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, block_size=8, num_target_layers=L, emb_dim=8, target=identity.as_dict(),
+        dflash_config=dict(mask_token_id=V - 1, target_layer_ids=[0, L - 2], gru_hidden_dim=16, emb_dim=8)))
+    return target, draft.to(device).eval().requires_grad_(False)
+
+
+def load_prompts(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """--suite-from-study / --prompts / --smoke -> {suite: [prompt ids]}, at most --max-prompts per suite."""
+    if args.smoke:
+        g = torch.Generator().manual_seed(1)
+        suites = {s: [torch.randint(3, 120, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (3,), generator=g)]
+                  for s in ("smoke-a", "smoke-b")}
+    elif args.suite_from_study:
+        sys.path.insert(0, str(BENCH))
+        from draft_study import load_packed
+
+        suites = {name: [p.tolist() for p in ps] for name, ps in load_packed(args.suite_from_study)["suites"].items()}
+    elif args.prompts.endswith(".pt"):
+        raw = torch.load(args.prompts, weights_only=False)
+        raw = raw if isinstance(raw, dict) else {"prompts": raw}
+        suites = {name: [torch.as_tensor(p).tolist() for p in ps] for name, ps in raw.items()}
+    else:
+        suites = {}
+        for line in Path(args.prompts).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                suites.setdefault(row.get("suite", "prompts"), []).append([int(t) for t in row["prompt_ids"]])
+    return {name: ps[: args.max_prompts] for name, ps in suites.items() if ps}
+
+
+def interleave(suites: dict[str, list[list[int]]]) -> list[tuple[str, list[int]]]:
+    """{suite: prompts} -> [(suite, prompt)] alternating suites, so a budget cut keeps them balanced."""
+    out, i = [], 0
+    while any(i < len(ps) for ps in suites.values()):
+        out += [(name, ps[i]) for name, ps in suites.items() if i < len(ps)]
+        i += 1
+    return out
+
+
+class GraphAR:
+    """HF `generate` with a static cache; on CUDA, transformers compiles the decode step
+    (torch.compile mode reduce-overhead: CUDA graphs). The cache is sized once by the warm-up on the
+    longest prompt, so later calls reuse the compiled graphs."""
+
+    def __init__(self, target: Any, stops: list[int], longest: list[int], max_new: int):
+        from transformers import CompileConfig
+
+        self.model, self.device, self.stops = target.model, target.device, stops
+        self.kwargs = dict(do_sample=False, eos_token_id=stops, pad_token_id=stops[0], cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=False, mode="reduce-overhead"))
+        tick = time.perf_counter()
+        self(longest, max_new)  # compiles and records, sizes the static cache
+        self(longest[: max(1, len(longest) // 2)], 16)
+        self.warmup_s = time.perf_counter() - tick
+        self.compiled = hasattr(self.model, "_compiled_call")  # set by transformers when it compiled
+
+    def __call__(self, prompt: list[int], max_new: int) -> list[int]:
+        """Prompt ids -> greedy new tokens (stop token included, as the engine returns them)."""
+        ids = torch.tensor([prompt], device=self.device)
+        if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                  **self.kwargs)
+        new = out[0, len(prompt):].tolist()
+        cut = next((k + 1 for k, t in enumerate(new) if t in self.stops), len(new))
+        return new[:cut]
+
+
+def load_e2e(args: argparse.Namespace, device: torch.device):
+    """-> (target, draft) for the e2e part."""
+    if args.smoke:
+        return smoke_models(device)
+    from dominospec.config import load_params
+    from dominospec.engine import load_draft
+    from dominospec.target import load_target
+
+    params = load_params(args.params)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    params = dataclasses.replace(params, target=dataclasses.replace(params.target, model=args.gguf_dir, device="auto",
+                                                                    dtype=dtype))
+    target = load_target(params.target)
+    return target, load_draft(args.draft, target)
+
+
+def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
+    """Fills result["e2e"]: settings, per-prompt records, per-mode summaries, divergences."""
+    from dominospec.engine import EngineOptions, SpecEngine
+    from dominospec.eval.report import first_divergence, pooled, top2_margin
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    target, draft = load_e2e(args, device)
+    suites = load_prompts(args)
+    plan = interleave(suites)
+    options = EngineOptions(head_kernel="triton" if cuda else "torch", candidate_pool=args.pool)
+    engines = {
+        "ar": SpecEngine(target, None, "ar"),
+        "ngram": SpecEngine(target, None, "ngram", None, options),
+        "dflash": SpecEngine(target, draft, "dflash", args.num_draft, options),
+        "domino": SpecEngine(target, draft, "domino", args.num_draft, options),
+        "domino+ngram": SpecEngine(target, draft, "domino", args.num_draft, dataclasses.replace(options, ngram_assist=True)),
+    }
+    e2e = result["e2e"] = dict(
+        target=target.identity.name, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
+        block_size=engines["domino"].block_size, num_draft=engines["domino"].num_draft,
+        ngram_num_draft=engines["ngram"].num_draft, candidate_pool=args.pool, head_kernel=options.head_kernel,
+        temperature=0.0, batch=1, max_new_tokens=args.new_tokens, suites={k: len(v) for k, v in suites.items()},
+        prompts_planned=len(plan), prompts_done=0, records=[])
+    log(f"e2e: {target.identity.name} {e2e['dtype']} on {device}, B = {e2e['block_size']}, K = {e2e['num_draft']}, "
+        f"{len(plan)} prompts planned ({e2e['suites']}), {args.new_tokens} new tokens")
+    for engine in engines.values():  # warm-up: allocations, Triton compiles (per-step shapes do not depend on K)
+        engine.generate(plan[0][1], 2 * e2e["block_size"])
+    stops = sorted(engines["ar"].stop_ids)
+    graph = GraphAR(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
+    e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
+    log(f"e2e: warm, graph ar {'compiled (CUDA graphs)' if graph.compiled else 'NOT compiled (static cache only)'} "
+        f"in {graph.warmup_s:.1f} s")
+
+    gens: dict[str, list] = {m: [] for m in engines}
+    started = time.perf_counter()
+    for i, (suite, prompt) in enumerate(plan):
+        if i and time.perf_counter() + (time.perf_counter() - started) / i > deadline:
+            log(f"e2e: budget reached, {i} of {len(plan)} prompts done")
+            break
+        runs: dict[str, dict] = {}
+        for mode in MODES:
+            sync(cuda)
+            tick = time.perf_counter()
+            if mode == "graph ar":
+                tokens, stats = graph(prompt, args.new_tokens), None
+            else:
+                g = engines[mode].generate(prompt, args.new_tokens)
+                tokens, stats = g.token_ids, g.stats
+                gens[mode].append(g)
+            sync(cuda)
+            seconds = time.perf_counter() - tick
+            rounds = stats.rounds if stats else len(tokens) - 1  # graph ar: one forward per token after the prefill
+            runs[mode] = dict(tokens=tokens, seconds=seconds, rounds=rounds,
+                              round_tokens=stats.round_tokens if stats else len(tokens) - 1)
+        reference = runs["ar"]["tokens"]
+        for mode, run in runs.items():
+            j = first_divergence(reference, run["tokens"])
+            run["divergence"] = j
+            if j is not None and j < len(reference):  # the target's top-2 margin where they part (near-tie?)
+                run["margin"] = round(top2_margin(engines["ar"], prompt + reference[:j]), 4)
+        e2e["records"].append(dict(suite=suite, prompt_tokens=len(prompt), runs=runs))
+        e2e["prompts_done"] = i + 1
+        log(f"e2e: prompt {i + 1}/{len(plan)} ({suite}, {len(prompt)} tokens): " + ", ".join(
+            f"{m} {len(r['tokens']) / r['seconds']:.0f} tok/s" + (" ≠ar" if r["divergence"] is not None else "")
+            for m, r in runs.items()))
+    e2e["summary"] = {"all": summarize(e2e["records"])}
+    for suite in suites:
+        e2e["summary"][suite] = summarize([r for r in e2e["records"] if r["suite"] == suite])
+    for mode, gs in gens.items():  # per-round phase costs of the engine's own modes (ms)
+        if gs and mode != "ar":
+            p = pooled(gs)
+            e2e["summary"]["all"][mode].update({k: p[k] for k in (
+                "draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round", "mean_drafts_per_round",
+                "lookup_round_share")})
+        elif gs:
+            e2e["summary"]["all"][mode]["ms_per_step"] = pooled(gs)["verify_ms_per_round"]
+    try:  # did the graph ar recompile or break? (torch.compile's own counters)
+        from torch._dynamo.utils import counters
+        e2e["dynamo_counters"] = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break") if k in counters}
+    except ImportError:
+        pass
+    for r in e2e["records"]:
+        for run in r["runs"].values():
+            del run["tokens"]  # keep the JSON small; the divergences stay
+
+
+def summarize(records: list[dict]) -> dict[str, dict]:
+    """Per-prompt records -> per mode: prompts, τ (pooled) ± SE, tokens/s, speed-ups, exact share, divergences."""
+    from dominospec.eval.report import tau_standard_error
+
+    out: dict[str, dict] = {}
+    if not records:
+        return out
+    for mode in records[0]["runs"]:
+        runs = [r["runs"][mode] for r in records]
+        rounds = sum(x["rounds"] for x in runs)
+        seconds = sum(x["seconds"] for x in runs)
+        new = sum(len(x["tokens"]) for x in runs)
+        as_gens = [SimpleNamespace(stats=SimpleNamespace(round_tokens=x["round_tokens"], rounds=x["rounds"])) for x in runs]
+        out[mode] = dict(prompts=len(runs), new_tokens=new, seconds=round(seconds, 3),
+                         tau=sum(x["round_tokens"] for x in runs) / rounds if rounds else None,
+                         tau_se=tau_standard_error(as_gens), tokens_per_s=new / seconds if seconds else None,
+                         exact=sum(x["divergence"] is None for x in runs) / len(runs),
+                         divergences=[dict(prompt=i, at=x["divergence"], margin=x.get("margin"))
+                                      for i, x in enumerate(runs) if x["divergence"] is not None])
+    for mode, m in out.items():
+        m["speedup_vs_ar"] = m["tokens_per_s"] / out["ar"]["tokens_per_s"]
+        m["speedup_vs_graph_ar"] = m["tokens_per_s"] / out["graph ar"]["tokens_per_s"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (iv) projection for Qwen3-8B
+# ---------------------------------------------------------------------------------------------
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Logits a, b [T, V] -> max |a - b| relative to max |b|, and the share of rows with the same argmax."""
+    a, b = a.float(), b.float()
+    return dict(rel_diff=float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)),
+                argmax_agree=float((a.argmax(-1) == b.argmax(-1)).float().mean()))
+
+
+@torch.inference_mode()
+def time_target(model: Any, prefix: int, shapes: list[int], reps: int, cuda: bool) -> dict:
+    """Forward of T tokens after a `prefix`-row KV cache -> {T: {eager_ms, graph_ms, checks}}.
+    eager: DynamicCache (the engine's verify), cropped back after each call. graph: StaticCache and an
+    explicit 4-D mask, captured per T at positions prefix..prefix+T-1 (rewound before each replay)."""
+    from transformers import DynamicCache
+
+    from dominospec.engine.kv import cache_argument, crop_kv
+
+    device = next(model.parameters()).device
+    V = model.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prefix_ids = torch.randint(V, (1, prefix), generator=g).to(device)
+    ids = {T: torch.randint(V, (1, T), generator=g).to(device) for T in shapes}
+    arg = cache_argument(model)
+    dyn = DynamicCache()
+    model(input_ids=prefix_ids, **{arg: dyn}, use_cache=True, logits_to_keep=1)
+    out: dict[int, dict] = {}
+    reference = {}
+    for T in shapes:
+        def eager(T=T):
+            return model(input_ids=ids[T], **{arg: dyn}, use_cache=True, logits_to_keep=T).logits[0]
+        crop_kv(dyn, prefix)  # the timing loop leaves the last call's rows
+        reference[T] = eager().clone()
+        crop_kv(dyn, prefix)
+        out[T] = dict(eager_ms=median_ms(eager, reps, cuda, before=lambda: crop_kv(dyn, prefix)))
+
+    try:
+        time_static(model, prefix_ids, ids, out, reference, reps, cuda)
+    except Exception:  # the eager times still make a projection
+        out["static_error"] = traceback.format_exc()
+        log(f"projection: static cache / graph path FAILED:\n{out['static_error']}")
+    return out
+
+
+def time_static(model: Any, prefix_ids: torch.Tensor, ids: dict, out: dict, reference: dict, reps: int,
+                cuda: bool) -> None:
+    """The static-cache half of `time_target`: fills out[T] with static_eager_ms, graph_ms and the checks."""
+    import inspect
+
+    from transformers import StaticCache
+
+    from dominospec.engine.kv import cache_argument
+
+    device, prefix, arg = prefix_ids.device, prefix_ids.shape[1], cache_argument(model)
+    L = prefix + max(ids)
+    static = StaticCache(config=model.config, max_cache_len=L)
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+
+    def rewind(n: int) -> None:  # transformers >= 5.2x: the write position is a tensor counter per layer
+        for layer in getattr(static, "layers", []):
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.fill_(n)
+
+    def forward(x: torch.Tensor, start: int) -> Callable[[], torch.Tensor]:
+        T = x.shape[1]
+        pos = torch.arange(start, start + T, device=device)[None]  # [1, T]
+        mask = (torch.arange(L, device=device)[None, :] <= pos[0][:, None])[None, None]  # [1, 1, T, L] bool, True = attend
+        kw = {arg: static, "position_ids": pos, "attention_mask": mask, "use_cache": True, "logits_to_keep": T}
+        if takes_cache_position:  # older transformers write the static cache at cache_position
+            kw["cache_position"] = pos[0]
+        return lambda: model(input_ids=x, **kw).logits[0]
+
+    forward(prefix_ids, 0)()  # prefill, eager
+    for T in ids:
+        fn = forward(ids[T], prefix)
+        rewind(prefix)
+        static_eager = fn().clone()
+        out[T]["static_vs_dynamic"] = close(static_eager, reference[T])
+        out[T]["static_eager_ms"] = median_ms(fn, reps, cuda, before=lambda: rewind(prefix))
+        if cuda:
+            replay, graph_out = capture(fn, before=lambda: rewind(prefix))
+            rewind(prefix)
+            replay()
+            sync(cuda)
+            out[T]["graph_equal_static_eager"] = bool(torch.equal(graph_out, static_eager))
+            out[T]["graph_vs_dynamic"] = close(graph_out, reference[T])
+            out[T]["graph_ms"] = median_ms(replay, reps, cuda, before=lambda: rewind(prefix))
+        rewind(prefix)
+
+
+@torch.inference_mode()
+def time_draft(draft: Any, lm_head: Any, prefix: int, rows: int, shapes: list[int], reps: int, cuda: bool) -> dict:
+    """Draft block of Q = K+1 slots after `prefix` context rows, `rows` new target rows appended first,
+    + base logits of K slots (the engine's `_draft_forward`) -> {Q: {eager_ms, graph_ms, graph_equal}}."""
+    from dominospec.models.domino import DraftContextCache
+
+    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    H, F = draft.config.hidden_size, draft.fc.weight.shape[1]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    context = DraftContextCache(len(draft.layers))
+    draft.extend_context(torch.randn(1, prefix, F, generator=g).to(device, dtype), context)
+    features = torch.randn(1, rows, F, generator=g).to(device, dtype)
+    out = {}
+    for Q in shapes:
+        block = torch.randn(1, Q, H, generator=g).to(device, dtype)
+        positions = torch.arange(prefix + rows, prefix + rows + Q, device=device)[None]
+
+        def step(block=block, positions=positions, Q=Q):
+            cache = DraftContextCache(len(draft.layers))  # a fresh view of the prefix: appends never accumulate
+            cache.keys, cache.values = list(context.keys), list(context.values)
+            z = draft(block, positions, target_features=features, cache=cache)[0, : Q - 1]  # [K, H]
+            return lm_head(z)  # base logits u [K, V]
+        out[Q] = dict(eager_ms=median_ms(step, reps, cuda))
+        if cuda:
+            try:
+                eager = step().clone()
+                replay, graph_out = capture(step)
+                replay()
+                sync(cuda)
+                out[Q].update(graph_equal=bool(torch.equal(graph_out, eager)), graph_ms=median_ms(replay, reps, cuda))
+            except Exception:
+                out[Q]["graph_error"] = traceback.format_exc()
+                log(f"projection: draft graph FAILED:\n{out[Q]['graph_error']}")
+    return out
+
+
+def head_times(args: argparse.Namespace, Ks: list[int], cuda: bool) -> dict:
+    """K -> head rollout ms and where it came from: --head-json (scaled by corrected steps), or timed here."""
+    sys.path.insert(0, str(BENCH))
+    import head_kernels_gpu as hk
+
+    if args.head_json:
+        data = json.loads(Path(args.head_json).read_text())
+        row = next(r for r in data["rows"] if r["path"] == args.head_row)
+        Kj, P = data["shapes"]["num_draft"], data["shapes"]["prefix"]
+        return {K: dict(ms=row["ms"] * (K - P) / (Kj - P), source=f"{args.head_json}: {args.head_row}, K={Kj}"
+                        + ("" if K == Kj else f", scaled by corrected steps {K - P}/{Kj - P}")) for K in Ks}
+    hr = hk.import_kernels()
+    out = {}
+    for K in Ks:
+        s = dict(hk.QWEN3_8B if cuda else hk.SMOKE, num_draft=K)
+        w = hk.random_head(s, torch.bfloat16 if cuda else torch.float32, torch.device("cuda" if cuda else "cpu"))
+        paths = hk.rollouts(hr, w, s, None, 2 << 30)
+        if cuda:
+            replay, _ = capture(paths["triton"])
+            out[K] = dict(ms=median_ms(replay, args.reps, cuda), source="timed here: triton + graph (GRU table)")
+        else:
+            out[K] = dict(ms=median_ms(paths["torch"], args.reps, cuda), source="timed here: torch eager (smoke)")
+        del w, paths
+    return out
+
+
+def run_projection(args: argparse.Namespace, result: dict) -> None:
+    """Fills result["projection"]: component times (ms) and projected speed-ups by (K, setting, τ)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    Ks = [7, 15]
+    shapes = [1] + [K + 1 for K in Ks]
+    prefix = args.prefix if not args.smoke else 48
+    proj = result["projection"] = dict(label="PROJECTION (random weights, modelled round; not a measurement)",
+                                       shapes="smoke (tiny)" if args.smoke else "Qwen3-8B",
+                                       target=QWEN3_8B if not args.smoke else SMOKE_QWEN3,
+                                       dtype=str(dtype).replace("torch.", ""),
+                                       prefix=prefix, context_rows=args.context_rows, reps=args.reps)
+    tick = time.perf_counter()
+    with building(device, dtype):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(tie_word_embeddings=False, **proj["target"]))
+        n = proj["target"]["num_hidden_layers"]
+        layer_ids = [1, 9, 17, 25, 33] if not args.smoke else [0, 2]
+        cfg = dict(block_size=16, num_target_layers=n, dflash_config=dict(target_layer_ids=layer_ids))
+        if args.smoke:
+            cfg.update(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, dflash_config=dict(target_layer_ids=layer_ids, gru_hidden_dim=32, emb_dim=16))
+        draft = DFlashDraftModel(DominoDraftConfig(**cfg))  # defaults: DESIGN §4 (5 layers, H 4096, G 1024, r 256)
+    model.eval().requires_grad_(False)
+    draft.eval().requires_grad_(False)
+    proj["draft_layers"] = len(draft.layers)
+    proj["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    log(f"projection: built target + draft in {time.perf_counter() - tick:.1f} s ({proj['attn_implementation']})")
+    proj["target_ms"] = time_target(model, prefix, shapes, args.reps, cuda)
+    log(f"projection: target {json.dumps(proj['target_ms'])}")
+    proj["draft_ms"] = time_draft(draft, model.get_output_embeddings(), prefix, args.context_rows,
+                                  [K + 1 for K in Ks], args.reps, cuda)
+    log(f"projection: draft {json.dumps(proj['draft_ms'])}")
+    del model, draft
+    if cuda:
+        torch.cuda.empty_cache()
+    proj["head_ms"] = head_times(args, Ks, cuda)
+    log(f"projection: head {json.dumps(proj['head_ms'])}")
+    rows = []
+    for K in Ks:
+        for setting, key in (("graph", "graph_ms"), ("eager", "eager_ms")):
+            t, d = proj["target_ms"], proj["draft_ms"][K + 1]
+            if not all(key in x for x in (t[1], t[K + 1], d)):
+                continue
+            t_round = d[key] + proj["head_ms"][K]["ms"] + t[K + 1][key]
+            rows.append(dict(K=K, setting=setting, t_ar=t[1][key], t_draft=d[key], t_head=proj["head_ms"][K]["ms"],
+                             t_verify=t[K + 1][key], t_round=t_round,
+                             speedup={tau: tau * t[1][key] / t_round for tau in TAUS}))
+    proj["rows"] = rows
+    checks = [v for v in proj["target_ms"].values() if isinstance(v, dict)]
+    proj["ok"] = (all(v.get("graph_equal_static_eager", True) and v.get("static_vs_dynamic", {}).get("rel_diff", 0) < 0.05
+                      for v in checks) and all(v.get("graph_equal", True) for v in proj["draft_ms"].values()))
+    proj["seconds"] = round(time.perf_counter() - tick, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def tables(result: dict) -> str:
+    lines = []
+    e2e = result.get("e2e")
+    if e2e and "summary" in e2e:
+        s = e2e["summary"]
+        suites = [k for k in s if k != "all"]
+        lines += [f"(ii) end to end: {e2e['target']} {e2e['dtype']}, {result['device']}, greedy, batch 1, "
+                  f"{e2e['max_new_tokens']} new tokens, B = {e2e['block_size']}, K = {e2e['num_draft']} "
+                  f"(ngram {e2e['ngram_num_draft']}), pool {e2e['candidate_pool']}, head {e2e['head_kernel']}; "
+                  f"{e2e['prompts_done']} of {e2e['prompts_planned']} prompts ({', '.join(suites)}); graph ar "
+                  f"{'compiled' if e2e['graph_ar_compiled'] else 'NOT compiled'}", "",
+                  f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × graph AR | exact vs AR | "
+                  "divergences (at, top-2 margin) | draft / chain / verify ms per round |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for mode, m in s["all"].items():
+            by_suite = " / ".join(fmt(s[k][mode]["tau"]) if mode in s[k] else "–" for k in suites)
+            div = "; ".join(f"{d['at']}, {d['margin']}" for d in m["divergences"][:4]) + (" …" if len(m["divergences"]) > 4 else "")
+            phases = " / ".join(fmt(m.get(k)) for k in ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round")) \
+                if "verify_ms_per_round" in m else (f"step {fmt(m['ms_per_step'])}" if "ms_per_step" in m else "")
+            lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {by_suite} | {fmt(m['tokens_per_s'], 1)} | "
+                         f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {100 * m['exact']:.0f} % | {div} | {phases} |")
+    proj = result.get("projection")
+    if proj and "rows" in proj:
+        lines += ["", f"(iv) {proj['label']}: {proj['shapes']} shapes, {proj['dtype']}, KV prefix {proj['prefix']}, "
+                  f"{proj['draft_layers']}-layer draft of K+1 slots, head: {proj['head_ms'][15]['source']}", "",
+                  "| K | setting | t_AR ms | t_draft ms | t_head ms | t_verify(K) ms | round ms | "
+                  + " | ".join(f"proj. × at τ={t}" for t in TAUS) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(TAUS)]
+        for r in proj["rows"]:
+            lines.append(f"| {r['K']} | {r['setting']} | {r['t_ar']:.3f} | {r['t_draft']:.3f} | {r['t_head']:.3f} | "
+                         f"{r['t_verify']:.3f} | {r['t_round']:.3f} | " + " | ".join(fmt(r["speedup"][t]) for t in TAUS) + " |")
+    for part in ("e2e", "projection"):
+        if result.get(f"{part}_error"):
+            lines += ["", f"{part} FAILED: {result[f'{part}_error'].strip().splitlines()[-1]}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON result path")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny random models, few tokens")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--gguf-dir", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--draft", help="trained draft dir (HF layout)")
+    parser.add_argument("--suite-from-study", help="packed file of benchmarks/draft_study.py pack (its suites)")
+    parser.add_argument("--prompts", help=".pt list (or {suite: list}) of ids, or JSONL of {prompt_ids, suite?}")
+    parser.add_argument("--max-prompts", type=int, default=16, help="per suite")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on CUDA")
+    parser.add_argument("--num-draft", type=int, default=None, help="K of the draft modes (default B - 1)")
+    parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
+    parser.add_argument("--budget-seconds", type=float, default=540)
+    parser.add_argument("--prefix", type=int, default=1000, help="(iv) KV rows before the timed forwards")
+    parser.add_argument("--context-rows", type=int, default=4, help="(iv) target rows appended to the draft context per round")
+    parser.add_argument("--reps", type=int, default=30, help="(iv) timed calls per shape (median)")
+    parser.add_argument("--head-json", help="(iv) JSON of benchmarks/head_kernels_gpu.py")
+    parser.add_argument("--head-row", default="triton + graph", help="(iv) its row used as the head time")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-projection", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.new_tokens, args.reps = min(args.new_tokens, 24), min(args.reps, 3)
+    elif not torch.cuda.is_available():
+        sys.exit("error: no CUDA device (use --smoke on CPU)")
+    elif not args.skip_e2e and not (args.gguf_dir and args.draft and (args.suite_from_study or args.prompts)):
+        sys.exit("error: the e2e part needs --gguf-dir, --draft and --suite-from-study or --prompts (or --skip-e2e)")
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available() and not args.smoke
+    import transformers
+
+    result: dict[str, Any] = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
+        device=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine() or "cpu",
+        torch=torch.__version__, transformers=transformers.__version__, cuda=torch.version.cuda,
+        command=" ".join(sys.argv), budget_seconds=args.budget_seconds)
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for part, skip, fn in (("projection", args.skip_projection, lambda: run_projection(args, result)),
+                           ("e2e", args.skip_e2e, lambda: run_e2e(args, started + args.budget_seconds - 10, result))):
+        if skip:
+            continue
+        try:
+            fn()
+        except Exception:  # record and go on: the other part is still worth having
+            result[f"{part}_error"] = traceback.format_exc()
+            log(f"{part} FAILED:\n{result[f'{part}_error']}")
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"\n{result['device']}, torch {result['torch']}, transformers {result['transformers']}, triton {result['triton']}, "
+          f"{result['date']}, {result['seconds']} s; JSON: {args.out}\n")
+    print(tables(result))
+    failed = any(result.get(f"{p}_error") for p in ("e2e", "projection")) or not result.get("projection", {}).get("ok", True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
