@@ -167,7 +167,7 @@ class EngineParams:
     ngram_max: int  # ngram mode: longest suffix n-gram looked up (tried first)
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
-    head_kernel: Literal["torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
+    head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,20 @@ def test_engine_with_triton_head_equals_torch_head(setup):
 
 def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
-    assert cfg.head_kernel == "torch"
+    assert cfg.head_kernel == "auto"
     triton_cfg = dataclasses.replace(cfg, head_kernel="triton")
     assert engine_options(triton_cfg).head_kernel == "triton"  # interpreter (or CUDA) here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="engine.head_kernel"):
         engine_options(triton_cfg)
+
+
+@cpu_engine
+def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
+    """`auto` = Triton only where it runs compiled (a CUDA draft); here, even with the interpreter on,
+    it must be the torch path (the interpreter is for tests, not for speed)."""
+    target, draft, _ = setup
+    engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="auto"))
+    assert engine.head_kernels is None
+    assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine).head_kernel == "auto"

@@ -1,4 +1,4 @@
-"""The Domino head on the Triton kernels (params `engine.head_kernel: triton`): prepared once per engine.
+"""The Domino head on the Triton kernels (params `engine.head_kernel: triton`, or `auto` on CUDA): prepared once per engine.
 
 draft (in the draft path's dtype) + the target's embedding -> `HeadWeights` for
 `dominospec.kernels`: W1 split at H, W2, and the GRU's input gates either as a [V, 3G] table
@@ -18,6 +18,18 @@ from dominospec.errors import UserError
 # The [V, 3G] GRU input table replaces streaming W_ih (3G·H) every step. Qwen3-8B shapes: 0.93 GB
 # in bf16, which fits; beyond 2 GiB the GEMV path is taken (it reads W_ih + one embedding row).
 GRU_TABLE_BUDGET_BYTES = 2 << 30
+
+
+def triton_usable(device: torch.device) -> bool:
+    """`engine.head_kernel: auto` -> Triton here? On a CUDA draft with triton installed (never on
+    CPU, where the kernels only run interpreted, for tests)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:

@@ -45,7 +45,7 @@ from transformers import DynamicCache
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.features import FeatureTap
-from dominospec.engine.head_kernels import prepare_head_kernels
+from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
@@ -75,7 +75,7 @@ class EngineOptions:
     ngram_num_draft: int = 7  # prompt lookup: most tokens proposed per round when num_draft is None
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
-    head_kernel: str = "torch"  # Domino rollout: "torch" ops or "triton" kernels (dominospec.kernels); greedy chains equal in fp32
+    head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
 
 
 class SpecEngine:
@@ -118,7 +118,10 @@ class SpecEngine:
             raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
         self.draft_dtype = options.draft_dtype or self.dtype
         self.draft, self.draft_lm_head = self._draft_path(draft.eval())
-        if mode == "domino" and options.head_kernel == "triton":
+        kernel = options.head_kernel
+        if kernel == "auto":  # Triton where it runs compiled (a CUDA draft), torch ops elsewhere
+            kernel = "triton" if triton_usable(self.draft.embed_proj[2].weight.device) else "torch"
+        if mode == "domino" and kernel == "triton":
             self.head_kernels = prepare_head_kernels(self.draft, self.embed_tokens)
         self.block_size = int(draft.config.block_size)
         if self.block_size < 2:
