@@ -131,3 +131,10 @@ def test_dvc_paths_come_from_params_paths():
 def test_stage_scripts_are_thin():
     for script in (REPO / "pipeline").glob("*.py"):
         assert len(script.read_text().splitlines()) <= 100, script.name
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no __init__.py files: pytest imports each test module by its basename, so two
+    files of one name in different folders stop the whole collection."""
+    names = [p.name for p in (REPO / "tests").rglob("*.py") if p.name != "conftest.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
