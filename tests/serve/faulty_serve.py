@@ -37,7 +37,6 @@ def tokenize(tokenizer, prompt):
     return _tokenize(tokenizer, prompt)
 
 
-SpecEngine.generate, app.tokenize = generate, tokenize
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # patched only in the server process: importing the markers changes nothing
+    SpecEngine.generate, app.tokenize = generate, tokenize
     raise SystemExit(main())
