@@ -150,6 +150,25 @@ def scoring_blocks(n_cols: int, r: int) -> tuple[int, int]:
     return 128, min(128, triton.next_power_of_2(r))
 
 
+@dataclass(frozen=True)
+class ScoringPlan:
+    """How a scoring launch tiles its C columns: BLOCK_V x BLOCK_R tiles, n_blocks partials per row."""
+
+    n_cols: int
+    block_v: int
+    block_r: int
+    n_blocks: int
+
+
+def scoring_plan(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids: Optional[torch.Tensor],
+                 block_v: Optional[int], block_r: Optional[int]) -> ScoringPlan:
+    """Checked inputs + optional block overrides -> the launch's tiling (defaults: `scoring_blocks`)."""
+    C = check_scoring_inputs(h, w2, base, ids)
+    default_v, default_r = scoring_blocks(C, h.shape[1])
+    block_v = block_v or default_v
+    return ScoringPlan(C, block_v, block_r or default_r, triton.cdiv(C, block_v))
+
+
 def correction_argmax(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids: Optional[torch.Tensor] = None,
                       out: Optional[Argmax] = None, block_v: Optional[int] = None,
                       block_r: Optional[int] = None) -> Argmax:
@@ -158,11 +177,9 @@ def correction_argmax(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids
     `out` (optional) receives the result in place: e.g. token = a slot of a rollout's device-side
     token buffer, so the next GRU step reads it without a host sync.
     """
-    C = check_scoring_inputs(h, w2, base, ids)
+    plan = scoring_plan(h, w2, base, ids, block_v, block_r)
     N, r = h.shape
-    default_v, default_r = scoring_blocks(C, r)
-    block_v, block_r = block_v or default_v, block_r or default_r
-    n_blocks = triton.cdiv(C, block_v)
+    n_blocks = plan.n_blocks
     part_max = torch.empty(N, n_blocks, dtype=torch.float32, device=h.device)
     part_sum = torch.empty_like(part_max)
     part_idx = torch.empty(N, n_blocks, dtype=torch.int64, device=h.device)
@@ -173,8 +190,8 @@ def correction_argmax(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids
     pool = ids is not None
     _correction_argmax_partials_kernel[(n_blocks, N)](
         h, w2, base, ids if pool else part_idx, part_max, part_idx, part_sum,
-        C, r, h.stride(0), w2.stride(0), base.stride(0), n_blocks,
-        POOL=pool, BLOCK_V=block_v, BLOCK_R=block_r,
+        plan.n_cols, r, h.stride(0), w2.stride(0), base.stride(0), n_blocks,
+        POOL=pool, BLOCK_V=plan.block_v, BLOCK_R=plan.block_r,
     )
     _argmax_reduce_kernel[(N,)](part_max, part_idx, part_sum, out.token, out.best, out.lse, n_blocks,
                                 BLOCK_B=triton.next_power_of_2(n_blocks))

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dominospec.kernels.correction_argmax import (check_scoring_inputs, corrected_logits_reference, corrected_tile,
-                                                  scoring_blocks)
+from dominospec.kernels.correction_argmax import corrected_logits_reference, corrected_tile, scoring_plan
 
 
 @dataclass
@@ -75,11 +74,9 @@ def correction_logits(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids
     """h [N, r] (pre-SiLU), W2 [V, r], base logits [N, V], pool ids [M] or None -> CorrectedLogits."""
     if not temperature > 0:
         raise ValueError(f"correction_logits needs temperature > 0, got {temperature}")
-    C = check_scoring_inputs(h, w2, base, ids)
+    plan = scoring_plan(h, w2, base, ids, block_v, block_r)
     N, r = h.shape
-    default_v, default_r = scoring_blocks(C, r)
-    block_v, block_r = block_v or default_v, block_r or default_r
-    n_blocks = triton.cdiv(C, block_v)
+    C, n_blocks = plan.n_cols, plan.n_blocks
     logits = torch.empty(N, C, dtype=torch.float32, device=h.device)
     part_max = torch.empty(N, n_blocks, dtype=torch.float32, device=h.device)
     part_sum = torch.empty_like(part_max)
@@ -87,7 +84,7 @@ def correction_logits(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, ids
     _correction_logits_kernel[(n_blocks, N)](
         h, w2, base, ids if pool else logits, logits, part_max, part_sum,
         C, r, h.stride(0), w2.stride(0), base.stride(0), logits.stride(0), n_blocks, 1.0 / temperature,
-        POOL=pool, BLOCK_V=block_v, BLOCK_R=block_r,
+        POOL=pool, BLOCK_V=plan.block_v, BLOCK_R=plan.block_r,
     )
     # lse = M + log Σ_b s_b · exp(m_b - M): n_blocks numbers per row, combined in torch
     lse = torch.logsumexp(part_max + part_sum.log(), dim=-1)
