@@ -24,6 +24,7 @@ A table (markdown) is printed last and written to STATE/study.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import time
@@ -336,13 +337,13 @@ def run(args: argparse.Namespace) -> None:
         results_path.write_text(json.dumps(results, indent=1))
         print(json.dumps({"candidate": name, "fit_s": round(fit_s, 1),
                           **{s: round(v["domino"]["acceptance_length"], 3) for s, v in scores.items()}}), flush=True)
-        if name == "combo":
+        if name == "combo":  # saved first: the engine check must not be able to lose the trained draft
+            copy.deepcopy(draft).to(torch.bfloat16).save_pretrained(state / "combo_draft", max_shard_size="15MB")
             if args.engine_check:
                 results[name]["engine_check"] = engine_check(draft, target, data["suites"]["sharegpt"][: args.engine_check],
                                                              args.suite_new_tokens, layer_ids)
                 results_path.write_text(json.dumps(results, indent=1))
                 print(json.dumps(results[name]["engine_check"]), flush=True)
-            draft.to(torch.bfloat16).save_pretrained(state / "combo_draft", max_shard_size="15MB")
     table = study_table(results, gen, args)
     (state / "study.md").write_text(table)
     print(table)

@@ -20,6 +20,10 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     dflash        SpecEngine "dflash" (head off, K = B - 1)
     domino        SpecEngine "domino", head_kernel triton on CUDA (torch on CPU)
     domino+ngram  the same with ngram_assist
+    ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
+                  verify / AR step and the draft block replay captured graphs); "ar graphs" is our
+                  CUDA-graph AR. Each is checked token for token against eager `ar`, and the speculative
+                  ones against "ar graphs" (lossless within the graph'd path)
 τ is pooled (DESIGN §6) with its SE over prompts; tokens/s = Σ new tokens ÷ Σ wall time (prefill
 included, timed around each call with torch.cuda.synchronize). Every divergence from `ar` is listed
 with the target's top-2 margin there. `--budget-seconds` stops starting prompts when the next one
@@ -55,7 +59,9 @@ from typing import Any, Callable, Optional
 import torch
 
 BENCH = Path(__file__).resolve().parent
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram")
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram",
+         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs")
+GRAPHED = "ar graphs"  # our CUDA-graph AR: the baseline the graph'd speculative modes are held to
 TAUS = (2, 3, 4, 5)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
@@ -87,18 +93,10 @@ def median_ms(fn: Callable, reps: int, cuda: bool, before: Callable = lambda: No
 
 
 def capture(fn: Callable, before: Callable = lambda: None):
-    """fn -> (replay, static output): fn captured in one CUDA graph after 3 side-stream warm-ups."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            before()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    before()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """fn -> (replay, static output): the engine's own capture (engine.graphs), after side-stream warm-ups."""
+    from dominospec.engine.graphs import capture as capture_graph
+
+    graph, out = capture_graph(fn, before)
     return graph.replay, out
 
 
@@ -234,29 +232,43 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     from dominospec.engine import EngineOptions, SpecEngine
     from dominospec.eval.report import first_divergence, pooled, top2_margin
 
-    cuda = torch.cuda.is_available() and not args.smoke
+    cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
     device = torch.device("cuda" if cuda else "cpu")
     target, draft = load_e2e(args, device)
     suites = load_prompts(args)
     plan = interleave(suites)
     options = EngineOptions(head_kernel="triton" if cuda else "torch", candidate_pool=args.pool)
-    engines = {
-        "ar": SpecEngine(target, None, "ar"),
-        "ngram": SpecEngine(target, None, "ngram", None, options),
-        "dflash": SpecEngine(target, draft, "dflash", args.num_draft, options),
-        "domino": SpecEngine(target, draft, "domino", args.num_draft, options),
-        "domino+ngram": SpecEngine(target, draft, "domino", args.num_draft, dataclasses.replace(options, ngram_assist=True)),
-    }
+    graphed = dataclasses.replace(options, static_cache=True, cuda_graphs=cuda, graph_capacity=args.graph_capacity)
+    engines = {}
+    for suffix, opts in (("", options), (" graphs", graphed)):
+        engines.update({
+            "ar" + suffix: SpecEngine(target, None, "ar", None, opts),
+            "ngram" + suffix: SpecEngine(target, None, "ngram", None, opts),
+            "dflash" + suffix: SpecEngine(target, draft, "dflash", args.num_draft, opts),
+            "domino" + suffix: SpecEngine(target, draft, "domino", args.num_draft, opts),
+            "domino+ngram" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
+                                                dataclasses.replace(opts, ngram_assist=True)),
+        })
+    wanted = set(args.modes.split(",")) | {"ar", "graph ar"}
+    if any(m.endswith(" graphs") for m in wanted):
+        wanted.add(GRAPHED)
+    modes = [m for m in MODES if m in wanted]
+    engines = {m: e for m, e in engines.items() if m in wanted}
     e2e = result["e2e"] = dict(
         target=target.identity.name, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
-        block_size=engines["domino"].block_size, num_draft=engines["domino"].num_draft,
-        ngram_num_draft=engines["ngram"].num_draft, candidate_pool=args.pool, head_kernel=options.head_kernel,
+        block_size=draft.config.block_size, num_draft=args.num_draft or draft.config.block_size - 1,
+        ngram_num_draft=options.ngram_num_draft, modes=modes, graph_capacity=args.graph_capacity, candidate_pool=args.pool, head_kernel=options.head_kernel,
         temperature=0.0, batch=1, max_new_tokens=args.new_tokens, suites={k: len(v) for k, v in suites.items()},
         prompts_planned=len(plan), prompts_done=0, records=[])
     log(f"e2e: {target.identity.name} {e2e['dtype']} on {device}, B = {e2e['block_size']}, K = {e2e['num_draft']}, "
         f"{len(plan)} prompts planned ({e2e['suites']}), {args.new_tokens} new tokens")
-    for engine in engines.values():  # warm-up: allocations, Triton compiles (per-step shapes do not depend on K)
+    tick = time.perf_counter()
+    for engine in engines.values():  # warm-up: allocations, Triton compiles, graph captures (every K of a round)
         engine.generate(plan[0][1], 2 * e2e["block_size"])
+        engine.generate(plan[-1][1], 4 * e2e["block_size"])
+    e2e["graph_failures"] = {m: e.graph_failures() for m, e in engines.items() if e.graph_failures()}
+    log(f"e2e: engines warm in {time.perf_counter() - tick:.1f} s; graph capture failures: "
+        f"{e2e['graph_failures'] or 'none'}")
     stops = sorted(engines["ar"].stop_ids)
     graph = GraphAR(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
     e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
@@ -270,7 +282,7 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             log(f"e2e: budget reached, {i} of {len(plan)} prompts done")
             break
         runs: dict[str, dict] = {}
-        for mode in MODES:
+        for mode in modes:
             sync(cuda)
             tick = time.perf_counter()
             if mode == "graph ar":
@@ -290,6 +302,10 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             run["divergence"] = j
             if j is not None and j < len(reference):  # the target's top-2 margin where they part (near-tie?)
                 run["margin"] = round(top2_margin(engines["ar"], prompt + reference[:j]), 4)
+            if mode.endswith(" graphs"):  # lossless within the graph'd path: equal to our graph AR
+                run["divergence_graphs"] = first_divergence(runs[GRAPHED]["tokens"], run["tokens"])
+            if mode in engines:
+                run["static_cache"] = gens[mode][-1].stats.static_cache
         e2e["records"].append(dict(suite=suite, prompt_tokens=len(prompt), runs=runs))
         e2e["prompts_done"] = i + 1
         log(f"e2e: prompt {i + 1}/{len(plan)} ({suite}, {len(prompt)} tokens): " + ", ".join(
@@ -299,7 +315,7 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     for suite in suites:
         e2e["summary"][suite] = summarize([r for r in e2e["records"] if r["suite"] == suite])
     for mode, gs in gens.items():  # per-round phase costs of the engine's own modes (ms)
-        if gs and mode != "ar":
+        if gs and not mode.startswith("ar"):
             p = pooled(gs)
             e2e["summary"]["all"][mode].update({k: p[k] for k in (
                 "draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round", "mean_drafts_per_round",
@@ -333,11 +349,15 @@ def summarize(records: list[dict]) -> dict[str, dict]:
                          tau=sum(x["round_tokens"] for x in runs) / rounds if rounds else None,
                          tau_se=tau_standard_error(as_gens), tokens_per_s=new / seconds if seconds else None,
                          exact=sum(x["divergence"] is None for x in runs) / len(runs),
+                         exact_vs_graphs=(sum(x["divergence_graphs"] is None for x in runs) / len(runs)
+                                          if "divergence_graphs" in runs[0] else None),
+                         static_cache_share=(sum(bool(x.get("static_cache")) for x in runs) / len(runs)),
                          divergences=[dict(prompt=i, at=x["divergence"], margin=x.get("margin"))
                                       for i, x in enumerate(runs) if x["divergence"] is not None])
     for mode, m in out.items():
         m["speedup_vs_ar"] = m["tokens_per_s"] / out["ar"]["tokens_per_s"]
         m["speedup_vs_graph_ar"] = m["tokens_per_s"] / out["graph ar"]["tokens_per_s"]
+        m["speedup_vs_our_graph_ar"] = m["tokens_per_s"] / out[GRAPHED]["tokens_per_s"] if GRAPHED in out else None
     return out
 
 
@@ -502,7 +522,7 @@ def run_projection(args: argparse.Namespace, result: dict) -> None:
 
     from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
 
-    cuda = torch.cuda.is_available() and not args.smoke
+    cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     Ks = [7, 15]
     shapes = [1] + [K + 1 for K in Ks]
@@ -574,16 +594,19 @@ def tables(result: dict) -> str:
                   f"(ngram {e2e['ngram_num_draft']}), pool {e2e['candidate_pool']}, head {e2e['head_kernel']}; "
                   f"{e2e['prompts_done']} of {e2e['prompts_planned']} prompts ({', '.join(suites)}); graph ar "
                   f"{'compiled' if e2e['graph_ar_compiled'] else 'NOT compiled'}", "",
-                  f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × graph AR | exact vs AR | "
-                  "divergences (at, top-2 margin) | draft / chain / verify ms per round |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × HF graph AR | × our graph AR "
+                  "| exact vs eager AR | exact vs our graph AR | divergences (at, top-2 margin) | "
+                  "draft / chain / verify ms per round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, m in s["all"].items():
             by_suite = " / ".join(fmt(s[k][mode]["tau"]) if mode in s[k] else "–" for k in suites)
             div = "; ".join(f"{d['at']}, {d['margin']}" for d in m["divergences"][:4]) + (" …" if len(m["divergences"]) > 4 else "")
             phases = " / ".join(fmt(m.get(k)) for k in ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round")) \
                 if "verify_ms_per_round" in m else (f"step {fmt(m['ms_per_step'])}" if "ms_per_step" in m else "")
+            exact_g = "–" if m.get("exact_vs_graphs") is None else f"{100 * m['exact_vs_graphs']:.0f} %"
             lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {by_suite} | {fmt(m['tokens_per_s'], 1)} | "
-                         f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {100 * m['exact']:.0f} % | {div} | {phases} |")
+                         f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {fmt(m.get('speedup_vs_our_graph_ar'))} | "
+                         f"{100 * m['exact']:.0f} % | {exact_g} | {div} | {phases} |")
     proj = result.get("projection")
     if proj and "rows" in proj:
         lines += ["", f"(iv) {proj['label']}: {proj['shapes']} shapes, {proj['dtype']}, KV prefix {proj['prefix']}, "
@@ -603,6 +626,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON result path")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random models, few tokens")
+    parser.add_argument("--smoke-on-gpu", action="store_true", help="the smoke run's tiny models on CUDA (graph capture check)")
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--gguf-dir", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--draft", help="trained draft dir (HF layout)")
@@ -613,6 +637,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on CUDA")
     parser.add_argument("--num-draft", type=int, default=None, help="K of the draft modes (default B - 1)")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
+    parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (ar and graph ar always run)")
     parser.add_argument("--budget-seconds", type=float, default=540)
     parser.add_argument("--prefix", type=int, default=1000, help="(iv) KV rows before the timed forwards")
     parser.add_argument("--context-rows", type=int, default=4, help="(iv) target rows appended to the draft context per round")
@@ -629,7 +655,7 @@ def main() -> None:
     elif not args.skip_e2e and not (args.gguf_dir and args.draft and (args.suite_from_study or args.prompts)):
         sys.exit("error: the e2e part needs --gguf-dir, --draft and --suite-from-study or --prompts (or --skip-e2e)")
     started = time.perf_counter()
-    cuda = torch.cuda.is_available() and not args.smoke
+    cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
     import transformers
 
     result: dict[str, Any] = dict(

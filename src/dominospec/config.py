@@ -168,6 +168,8 @@ class EngineParams:
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
+    cuda_graphs: Literal["auto", "on", "off"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA
+    graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
 
 
 @dataclass(frozen=True)

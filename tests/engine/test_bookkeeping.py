@@ -13,18 +13,20 @@ import pytest
 import torch
 from engine_helpers import EOS, random_prompts, tiny_draft, tiny_target
 
+import dominospec.engine.draft_block as draft_block_module
 import dominospec.engine.spec as spec_module
+import dominospec.engine.target_kv as target_kv_module
 from dominospec.errors import UserError
-from dominospec.engine import Sampling, SpecEngine
+from dominospec.engine import EngineOptions, Sampling, SpecEngine
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache
 
 
 def record_caches(monkeypatch) -> dict:
-    """Make the engine's caches inspectable after `generate` returns."""
+    """Make the engine's dynamic caches inspectable after `generate` returns."""
     seen = {}
 
-    class RecordedKV(spec_module.DynamicCache):
+    class RecordedKV(target_kv_module.DynamicCache):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             seen["kv"] = self
@@ -34,22 +36,37 @@ def record_caches(monkeypatch) -> dict:
             super().__init__(*args, **kwargs)
             seen["context"] = self
 
-    monkeypatch.setattr(spec_module, "DynamicCache", RecordedKV)
-    monkeypatch.setattr(spec_module, "DraftContextCache", RecordedContext)
+    monkeypatch.setattr(target_kv_module, "DynamicCache", RecordedKV)
+    monkeypatch.setattr(draft_block_module, "DraftContextCache", RecordedContext)
     return seen
 
 
+def static_caches(engine: SpecEngine, rows: int) -> tuple:
+    """The static runners' first `rows` rows, in the shapes of the dynamic caches (SimpleNamespaces)."""
+    from types import SimpleNamespace
+
+    kv, drafter = engine._static
+    layers = [SimpleNamespace(keys=l.keys[:, :, :rows], values=l.values[:, :, :rows]) for l in kv.cache.layers]
+    context = SimpleNamespace(keys=[k[:, :, :rows] for k in drafter.keys], values=[v[:, :, :rows] for v in drafter.values])
+    return SimpleNamespace(layers=layers), context, kv.length, drafter.length
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("mode", ["dflash", "domino"])
-def test_caches_hold_exactly_the_committed_prefix(target, draft, monkeypatch, mode):
+def test_caches_hold_exactly_the_committed_prefix(target, draft, monkeypatch, mode, static):
     seen = record_caches(monkeypatch)
-    engine = SpecEngine(target, draft, mode)
+    engine = SpecEngine(target, draft, mode, None, EngineOptions(static_cache=static, graph_capacity=64))
     checked = 0
     for prompt in random_prompts(6, 8, seed=11):
         out = engine.generate(prompt, 20)
         sequence = torch.tensor([prompt + out.token_ids[:-1]])  # everything that has been fed
         rows = sequence.shape[1]
         assert out.stats.target_kv_length == out.stats.draft_context_length == rows
-        assert kv_length(seen["kv"]) == seen["context"].length == rows
+        if static:
+            seen["kv"], seen["context"], kv_rows, context_rows = static_caches(engine, rows)
+            assert kv_rows == context_rows == rows
+        else:
+            assert kv_length(seen["kv"]) == seen["context"].length == rows
 
         from transformers import DynamicCache
 

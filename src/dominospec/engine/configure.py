@@ -16,6 +16,7 @@ from dominospec.target import DTYPES, Target
 
 def engine_options(cfg: EngineParams) -> EngineOptions:
     """params.engine -> EngineOptions (the draft path packed too when `linear: packed`)."""
+    graphs = cuda_graphs(cfg)
     return EngineOptions(
         draft_dtype=DTYPES[cfg.draft_dtype] if cfg.draft_dtype else None,
         packed=cfg.linear == "packed",
@@ -27,7 +28,19 @@ def engine_options(cfg: EngineParams) -> EngineOptions:
         ngram_assist=cfg.ngram_assist,
         acceptance_window=cfg.acceptance_window,
         head_kernel=head_kernel(cfg.head_kernel),
+        static_cache=graphs,
+        cuda_graphs=graphs,
+        graph_capacity=cfg.graph_capacity,
     )
+
+
+def cuda_graphs(cfg: EngineParams) -> bool:
+    """engine.cuda_graphs -> whether the engine runs its forwards as CUDA graphs on static caches here."""
+    if cfg.graph_capacity < 16:
+        raise UserError(f"engine.graph_capacity must be >= 16 rows, got {cfg.graph_capacity}")
+    if cfg.cuda_graphs == "on" and not torch.cuda.is_available():
+        raise UserError("engine.cuda_graphs: on needs a CUDA GPU; set engine.cuda_graphs: auto or off on this machine")
+    return cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
 
 
 def head_kernel(choice: str) -> str:

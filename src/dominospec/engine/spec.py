@@ -40,13 +40,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
-from transformers import DynamicCache
 
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
-from dominospec.engine.features import FeatureTap
+from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
@@ -55,7 +53,8 @@ from dominospec.engine.rollout import DraftChain, draft_chain
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stats import Generation, GenerationStats
 from dominospec.engine.stops import cut_at_stop_string, first_stop_token, stop_token_ids
-from dominospec.models.domino import DFlashDraftModel, DraftContextCache
+from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
 
 MODES = ("ar", "ngram", "dflash", "domino")
@@ -76,6 +75,9 @@ class EngineOptions:
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
     head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
+    static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
+    cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
+    graph_capacity: int = 4096  # rows of the static caches; a longer generation runs on the dynamic caches
 
 
 class SpecEngine:
@@ -97,11 +99,11 @@ class SpecEngine:
         self.max_positions = int(self.model.config.max_position_embeddings)
         self.stop_ids = stop_token_ids(target.tokenizer, self.model)
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
-        self.cache_arg = cache_argument(self.model)
         self.draft, self.num_draft, self.block_size, self.layer_ids = None, 0, 1, []
         self.head_kernels = None  # the head prepared for the Triton kernels (engine.head_kernel: triton)
         self.auto = num_draft == "auto"
         self.cost: Optional[RoundCost] = None  # auto-K: measured by `calibrate`
+        self._static: Optional[tuple] = None  # (StaticTargetKV, StaticDraftBlock or None), built on first use
         if mode == "ar":
             return
         if mode == "ngram":
@@ -197,8 +199,9 @@ class SpecEngine:
         drafting = self.draft is not None
 
         t_begin = self._now()
-        state = _State(kv=DynamicCache(), context=DraftContextCache(len(self.draft.layers)) if drafting else None)
-        logits, features = self._target_forward(prompt[None], state.kv, keep=1)
+        state = _State(*self._runners(T + budget + self.block_size + 1))
+        stats.static_cache = isinstance(state.kv, StaticTargetKV)
+        logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
         if drafting:
             state.pending.append(features)
@@ -229,18 +232,18 @@ class SpecEngine:
             if reason is not None:
                 break
             start = T + len(tokens) - 1  # position of x_start = tokens[-1]
-            assert kv_length(state.kv) == start, "target KV out of step"
+            assert state.kv.length == start, "target KV out of step"
             new, reason = self._round(state, tokens, start, budget, sampling, generator, stats)
 
         # Invariant after generation: both caches hold the committed prefix minus the last token.
-        crop_kv(state.kv, T + len(tokens) - 1)
+        state.kv.crop(T + len(tokens) - 1)
         if drafting:
             self._flush(state)
-            state.context.crop(T + len(tokens) - 1)
+            state.drafter.crop(T + len(tokens) - 1)
         stats.new_tokens = len(tokens)
         stats.total_s = self._now() - t_begin
-        stats.target_kv_length = kv_length(state.kv)
-        stats.draft_context_length = state.context.length if drafting else 0
+        stats.target_kv_length = state.kv.length
+        stats.draft_context_length = state.drafter.length if drafting else 0
         text = self._decode(tokens)
         if reason == "stop_string":
             text = text[: cut_at_stop_string(text, stops)]
@@ -280,7 +283,7 @@ class SpecEngine:
         t2 = self._now()
 
         draft_tokens = chain.tokens[:K] if K else x_start[:0]
-        logits, features = self._target_forward(torch.cat([x_start, draft_tokens])[None], state.kv, keep=K + 1)
+        logits, features = state.kv.forward(torch.cat([x_start, draft_tokens])[None], keep=K + 1)
         logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
         if sampling.greedy:
             n, nxt = accept_greedy(draft_tokens, logits)
@@ -290,7 +293,7 @@ class SpecEngine:
         proposed = draft_tokens[:n].tolist() + [nxt]
         m, reason = self._admit(tokens, proposed, budget)
         tokens += proposed[:m]
-        crop_kv(state.kv, start + m)  # keep x_start, d_1..d_{m-1}
+        state.kv.crop(start + m)  # keep x_start, d_1..d_{m-1}
         if features is not None:
             state.pending.append(features[:, :m])  # the same m rows, for the draft context
         t3 = self._now()
@@ -312,11 +315,7 @@ class SpecEngine:
 
     def _draft_forward(self, state, x_start, start, K) -> tuple[torch.Tensor, torch.Tensor]:
         """Pending features appended, block forward -> z [K, H], base logits u [K, V] (draft dtype)."""
-        features = self._take_pending(state)
-        block = torch.cat([self.embed_tokens(x_start).to(self.draft_dtype), self.mask_embeds])[None]  # [1, B, H]
-        positions = torch.arange(start, start + self.block_size, device=self.device)[None]
-        z = self.draft(block, positions, target_features=features, cache=state.context)[0, :K]  # [K, H]
-        return z, self.draft_lm_head(z)
+        return state.drafter.block(self._take_pending(state), x_start, start, K)
 
     def _cut(self, chain: DraftChain) -> int:
         """A chain of K drafts -> how many to verify: up to where the product of their draft
@@ -336,12 +335,39 @@ class SpecEngine:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _target_forward(self, ids: torch.Tensor, kv: DynamicCache, keep: int):
-        """ids [1, T] after the cached rows (appended to `kv`) -> (logits [1, keep, V] of the last
-        `keep` positions, features [1, T, n*H] of the draft's target layers, or None without a draft)."""
-        with FeatureTap(self.model, self.layer_ids) as tap:
-            out = self.model(input_ids=ids, **{self.cache_arg: kv}, use_cache=True, logits_to_keep=keep)
-        return out.logits, tap.features() if self.layer_ids else None
+    def _runners(self, rows: int):
+        """A generation of at most `rows` positions -> (target KV runner, draft block runner or None), reset.
+        The static ones (CUDA graphs on a GPU) when `static_cache` is on and `rows` fit them; else dynamic."""
+        opts = self.options
+        if opts.static_cache and rows <= opts.graph_capacity:
+            if self._static is None:
+                kv = StaticTargetKV(self.model, self.layer_ids, opts.graph_capacity, self.block_size + 1,
+                                    graphs=opts.cuda_graphs)
+                drafter = None
+                if self.draft is not None:
+                    drafter = StaticDraftBlock(self.draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,
+                                               opts.graph_capacity, graphs=opts.cuda_graphs)
+                self._static = (kv, drafter)
+            kv, drafter = self._static
+        else:
+            kv = DynamicTargetKV(self.model, self.layer_ids)
+            drafter = None
+            if self.draft is not None:
+                drafter = DynamicDraftBlock(self.draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds)
+        kv.reset()
+        if drafter is not None:
+            drafter.reset()
+        return kv, drafter
+
+    def graph_failures(self) -> dict[str, str]:
+        """Shapes whose CUDA-graph capture failed (they run eagerly) -> the error, by runner and shape."""
+        if self._static is None:
+            return {}
+        failures = {}
+        for name, runner in zip(("target", "draft"), self._static):
+            if runner is not None:
+                failures.update({f"{name} {key}": err for key, err in runner.graphs.failures.items()})
+        return failures
 
     def _take_pending(self, state) -> Optional[torch.Tensor]:
         """Pending feature rows -> one tensor [1, S, n*H] (None when there are none), emptied."""
@@ -355,7 +381,7 @@ class SpecEngine:
         """Append any pending feature rows to the draft context."""
         features = self._take_pending(state)
         if features is not None:
-            self.draft.extend_context(features, state.context)
+            state.drafter.extend(features)
 
     def _admit(self, tokens: list[int], proposed: list[int], budget: int) -> tuple[int, Optional[str]]:
         """How many of `proposed` may follow `tokens` -> (count, finish reason or None)."""
@@ -385,9 +411,9 @@ class SpecEngine:
 
 
 class _State:
-    """Per-generation caches: target KV, draft context, features not yet appended to it, n-gram index."""
+    """Per-generation runners: target KV, draft block (its context), features not yet appended to it, n-gram index."""
 
-    def __init__(self, kv: DynamicCache, context: Optional[DraftContextCache]):
-        self.kv, self.context = kv, context
-        self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; context.length + rows == KV length
+    def __init__(self, kv, drafter):
+        self.kv, self.drafter = kv, drafter  # engine.target_kv / engine.draft_block runners
+        self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
         self.index: Optional[NgramIndex] = None

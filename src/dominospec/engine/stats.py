@@ -34,6 +34,7 @@ class GenerationStats:
     total_s: float = 0.0
     target_kv_length: int = 0  # at the end: prompt + new_tokens - 1
     draft_context_length: int = 0  # at the end: the same, in draft modes
+    static_cache: bool = False  # ran on the static caches (CUDA graphs on a GPU), not the dynamic ones
 
     def __post_init__(self) -> None:
         self.position_accepted = self.position_accepted or [0] * self.num_draft

@@ -1,0 +1,115 @@
+"""The target's forwards on its KV cache, as the engine runs them: prefill, verify, AR step, crop.
+
+Two interchangeable runners, both `forward(ids [1, T], keep) -> (logits [1, keep, V], features
+[1, T, n*H] or None)` at positions `length .. length+T-1` (the rows are appended), `crop(n)` to
+keep positions 0..n-1, `reset()` for a new generation:
+
+- `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
+- `StaticTargetKV`: a `StaticCache` of `capacity` rows written in place, with an explicit mask
+  [1, 1, T, capacity] (row t sees columns <= its position), so every forward of T rows has one
+  fixed shape. Forwards of 1..`max_rows` rows run as CUDA graphs (engine.graphs), one per T; longer
+  ones (the prefill) run eagerly on the same cache. Crop only moves `length`: stale rows past it
+  are masked and overwritten by the next forward.
+
+The write position. transformers >= 5.2x keeps a tensor counter per static layer
+(`cumulative_length`) and writes there; older releases write at the `cache_position` argument.
+Each forward sets both from one device scalar (`start`), inside the graph, so a replay never
+depends on what the previous one left behind.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from dominospec.engine.features import FeatureTap
+from dominospec.engine.graphs import FixedRows, ShapeGraphs
+from dominospec.engine.kv import cache_argument, crop_kv, kv_length
+
+Output = tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+class DynamicTargetKV:
+    """Eager forwards on a growing `DynamicCache`."""
+
+    def __init__(self, model: Any, layer_ids: Sequence[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.cache_arg = cache_argument(model)
+        self.cache = DynamicCache()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return kv_length(self.cache)
+
+    def forward(self, ids: torch.Tensor, keep: int) -> Output:
+        with FeatureTap(self.model, self.layer_ids) as tap:
+            out = self.model(input_ids=ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep)
+        return out.logits, tap.features()
+
+    def crop(self, n: int) -> None:
+        crop_kv(self.cache, n)
+
+
+class StaticTargetKV(FixedRows):
+    """Forwards on a `StaticCache` of `capacity` rows; T <= `max_rows` rows replay a CUDA graph when `graphs`."""
+
+    what = "static KV cache"
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], capacity: int, max_rows: int, graphs: bool):
+        from transformers import StaticCache
+
+        super().__init__(capacity)
+        self.model, self.layer_ids, self.max_rows = model, list(layer_ids), max_rows
+        self.device = next(model.parameters()).device
+        self.cache_arg = cache_argument(model)
+        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        self.columns = torch.arange(capacity, device=self.device)  # [L]
+        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # first position written
+        self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in range(1, max_rows + 1)}
+        self.graphs = ShapeGraphs(self._step, enabled=graphs)
+
+    def forward(self, ids: torch.Tensor, keep: int) -> Output:
+        T = ids.shape[1]
+        self.check_room(T)
+        self.start.fill_(self.length)
+        if T > self.max_rows:  # prefill: eager, one shape per prompt length
+            logits, features = self._forward(ids, keep)
+        else:
+            self.ids[T].copy_(ids)
+            logits, features = self.graphs.run(T)
+            logits = logits[:, T - keep:]
+            features = features.clone() if features is not None else None  # the next replay overwrites it
+        self.length += T
+        return logits, features
+
+    def _step(self, T: int):
+        """T -> the graph's function: the forward of the static buffer `ids[T]` at `start`."""
+        return lambda: self._forward(self.ids[T], T)
+
+    def _forward(self, ids: torch.Tensor, keep: int) -> Output:
+        """ids [1, T] at positions start..start+T-1 -> logits [1, keep, V], features; only tensor ops
+        on static buffers (capturable)."""
+        T = ids.shape[1]
+        positions = self.start + torch.arange(T, device=self.device)  # [T]
+        for counter in self._counters():
+            counter.copy_(self.start)
+        mask = (self.columns[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L], True = attend
+        kwargs = {self.cache_arg: self.cache, "position_ids": positions[None], "attention_mask": mask,
+                  "use_cache": True, "logits_to_keep": keep}
+        if self.takes_cache_position:
+            kwargs["cache_position"] = positions
+        with FeatureTap(self.model, self.layer_ids) as tap:
+            out = self.model(input_ids=ids, **kwargs)
+        return out.logits, tap.features()
+
+    def _counters(self) -> list[torch.Tensor]:
+        """The per-layer write counters of transformers >= 5.2x (none on older releases)."""
+        return [layer.cumulative_length for layer in getattr(self.cache, "layers", [])
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]

@@ -1,0 +1,150 @@
+"""The static-cache runners (what the CUDA graphs replay) compute what the dynamic caches compute.
+
+On CPU the static runners run their graph functions eagerly: the same fixed-size buffers, explicit
+masks, device-scalar write positions and crops by moving a length, so everything but the capture
+is checked here. In fp64 the two paths differ only by float rounding (masked columns add exact
+zeros), so whole generations must match token for token, round for round; the capture itself is
+checked token for token on a GPU by benchmarks/gpu_engine.py.
+Run: python -m pytest tests/engine/test_static_cache.py -q
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import random_prompts, tiny_draft, tiny_target
+
+from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
+from dominospec.engine.graphs import ShapeGraphs
+from dominospec.engine.sampling import Sampling
+from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+
+STATIC = EngineOptions(static_cache=True, graph_capacity=96)
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float64), ("qwen3", torch.float64)])
+def test_target_runners_agree_through_prefill_verify_and_crop(arch, dtype):
+    target = tiny_target(arch, vocab=32, dtype=dtype)
+    layers = [0, target.num_layers - 2]
+    dynamic = DynamicTargetKV(target.model, layers)
+    static = StaticTargetKV(target.model, layers, capacity=64, max_rows=5, graphs=False)
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randint(3, 31, (1, 11), generator=g), 1, None),  # prefill (eager in the static runner)
+             (torch.randint(3, 31, (1, 5), generator=g), 5, 13),  # verify 5 rows, keep 2 of them
+             (torch.randint(3, 31, (1, 1), generator=g), 1, None),  # AR step
+             (torch.randint(3, 31, (1, 4), generator=g), 4, 15),  # after a crop: stale rows 15.. must be masked
+             (torch.randint(3, 31, (1, 3), generator=g), 2, None)]
+    with torch.inference_mode():
+        for ids, keep, crop_to in steps:
+            a_logits, a_features = dynamic.forward(ids, keep)
+            b_logits, b_features = static.forward(ids, keep)
+            assert b_logits.shape == a_logits.shape == (1, keep, 32)
+            torch.testing.assert_close(b_logits, a_logits, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_features, a_features, rtol=1e-9, atol=1e-9)
+            assert static.length == dynamic.length
+            if crop_to is not None:
+                dynamic.crop(crop_to)
+                static.crop(crop_to)
+
+
+def test_static_target_refuses_to_overflow_or_grow_by_crop():
+    target = tiny_target("llama", vocab=32, dtype=torch.float64)
+    static = StaticTargetKV(target.model, [], capacity=16, max_rows=4, graphs=False)
+    with torch.inference_mode():
+        static.forward(torch.full((1, 14), 5), keep=1)
+        with pytest.raises(ValueError, match="capacity 16"):
+            static.forward(torch.full((1, 3), 5), keep=1)
+    assert static.length == 14, "a refused forward must leave the cache as it was"
+    with pytest.raises(ValueError, match="cannot crop"):
+        static.crop(15)
+
+
+def test_draft_runners_agree_through_extend_block_and_crop(target, draft):
+    embed, lm_head = target.embed_tokens, target.lm_head
+    B, F = draft.config.block_size, draft.fc.weight.shape[1]
+    mask = torch.full((B - 1,), int(draft.config.mask_token_id))
+    with torch.inference_mode():
+        mask_embeds = embed(mask)
+        dynamic = DynamicDraftBlock(draft, lm_head, embed, mask_embeds)
+        static = StaticDraftBlock(draft, lm_head, embed, mask_embeds, capacity=64, graphs=False)
+        g = torch.Generator().manual_seed(1)
+        rows = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
+        prompt = rows(12)
+        for runner in (dynamic, static):
+            runner.extend(prompt)
+        start = 12
+        for S, K, crop_to in [(0, B - 1, None), (3, 4, None), (B, B, None), (B + 5, 2, None), (1, 1, 20)]:
+            features = rows(S) if S else None
+            x_start = torch.randint(3, 7, (1,), generator=g)
+            a_z, a_u = dynamic.block(features, x_start, start + S, K)
+            b_z, b_u = static.block(features, x_start, start + S, K)
+            assert b_z.shape == a_z.shape == (K, draft.config.hidden_size)
+            torch.testing.assert_close(b_z, a_z, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_u, a_u, rtol=1e-9, atol=1e-9)
+            assert static.length == dynamic.length == start + S
+            start += S
+            if crop_to is not None:
+                dynamic.crop(crop_to)
+                static.crop(crop_to)
+                start = crop_to
+        with pytest.raises(ValueError, match="block starts at"):
+            static.block(None, x_start, start + 1, 1)
+
+
+@pytest.mark.parametrize("mode, num_draft", [("ar", None), ("ngram", None), ("dflash", None), ("domino", None),
+                                             ("domino", 3), ("domino", "auto")])
+def test_static_engine_generates_what_the_dynamic_engine_does(target, draft, mode, num_draft):
+    """Same tokens and the same rounds (so the same drafts were proposed), greedy, fp64."""
+    use_draft = draft if mode in ("dflash", "domino") else None
+    dynamic = SpecEngine(target, use_draft, mode, num_draft)
+    static = SpecEngine(target, use_draft, mode, num_draft, STATIC)
+    if num_draft == "auto":  # the same K choices need the same cost table: measure once, share it
+        static.cost = dynamic.calibrate(random_prompts(1, 8, seed=9)[0])
+    accepted = 0
+    for prompt in random_prompts(8, 8, seed=4):
+        a, b = dynamic.generate(prompt, 40), static.generate(prompt, 40)
+        assert b.stats.static_cache and not a.stats.static_cache
+        assert b.token_ids == a.token_ids, (mode, prompt)
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths
+        assert b.stats.target_kv_length == a.stats.target_kv_length == len(prompt) + len(a.token_ids) - 1
+        accepted += sum(b.stats.position_accepted)
+    if mode != "ar":
+        assert accepted > 20, "drafts were hardly ever accepted: the comparison would be weak"
+
+
+def test_static_engine_sampling_matches_dynamic_with_the_same_seed(target, draft):
+    sampling = Sampling(temperature=0.8, top_p=0.95)
+    dynamic = SpecEngine(target, draft, "domino", 4, EngineOptions(ngram_assist=True))
+    static = SpecEngine(target, draft, "domino", 4, dataclasses.replace(STATIC, ngram_assist=True))
+    for i, prompt in enumerate(random_prompts(6, 8, seed=5)):
+        a = dynamic.generate(prompt, 32, sampling, seed=i)
+        b = static.generate(prompt, 32, sampling, seed=i)
+        assert b.token_ids == a.token_ids and b.stats.accepted_lengths == a.stats.accepted_lengths
+
+
+def test_a_generation_longer_than_the_static_caches_runs_on_the_dynamic_ones(target, draft):
+    small = dataclasses.replace(STATIC, graph_capacity=24)
+    dynamic, static = SpecEngine(target, draft, "domino"), SpecEngine(target, draft, "domino", None, small)
+    prompt = random_prompts(1, 8, seed=6, min_len=8, max_len=8)[0]
+    long, short = static.generate(prompt, 40), static.generate(prompt, 4)
+    assert not long.stats.static_cache and short.stats.static_cache
+    assert long.token_ids == dynamic.generate(prompt, 40).token_ids
+    assert short.token_ids == dynamic.generate(prompt, 4).token_ids
+
+
+def test_shape_graphs_fall_back_to_eager_where_capture_fails():
+    """On CPU every capture fails (no CUDA): the shape runs eagerly, the failure is recorded once."""
+    built = []
+
+    def build(key):
+        built.append(key)
+        x = torch.full((2,), float(key))
+        return lambda: x * 2
+
+    graphs = ShapeGraphs(build, enabled=True)
+    for _ in range(2):
+        assert graphs.run(3).tolist() == [6.0, 6.0]
+    assert built == [3] and list(graphs.failures) == [3]
+    eager = ShapeGraphs(build, enabled=False)
+    assert eager.run(4).tolist() == [8.0, 8.0] and not eager.failures
