@@ -148,3 +148,23 @@ def test_shape_graphs_fall_back_to_eager_where_capture_fails():
     assert built == [3] and list(graphs.failures) == [3]
     eager = ShapeGraphs(build, enabled=False)
     assert eager.run(4).tolist() == [8.0, 8.0] and not eager.failures
+
+
+def test_params_switch_graphs_on_only_where_cuda_is(tmp_path):
+    """engine.cuda_graphs: auto is off on this CPU; on is refused here; a tiny capacity is refused."""
+    from pathlib import Path
+
+    from dominospec.config import load_params
+    from dominospec.engine.configure import engine_options
+    from dominospec.errors import UserError
+
+    cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
+    assert cfg.cuda_graphs == "auto" and cfg.graph_capacity >= 2048
+    options = engine_options(cfg)
+    assert options.static_cache == options.cuda_graphs == torch.cuda.is_available()
+    assert not engine_options(dataclasses.replace(cfg, cuda_graphs="off")).static_cache
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="engine.cuda_graphs: on needs a CUDA GPU"):
+            engine_options(dataclasses.replace(cfg, cuda_graphs="on"))
+    with pytest.raises(UserError, match="engine.graph_capacity"):
+        engine_options(dataclasses.replace(cfg, graph_capacity=8))
