@@ -227,26 +227,21 @@ def train_candidate(params: Any, target: Any, spec: dict[str, Any], items: list[
     return module.draft.to(target.device).eval()  # Lightning moves the module back to the CPU after fit
 
 
-@torch.no_grad()
-def walk_item(draft: Any, target: Any, item: dict[str, torch.Tensor], layer_ids: list[int], heads: tuple[bool, ...]):
-    """One (prompt + answer) item -> its engine walk (K = B - 1) for each head setting, one target forward."""
-    from dominospec.cache.features import target_hidden
-    from dominospec.train.walk import walk_sequence
+def walk_item(draft: Any, target: Any, item: dict[str, torch.Tensor], heads: tuple[bool, ...]):
+    """One (prompt + answer) item -> its engine walk (K = B - 1) for each head setting, one target forward
+    (the draft's own target layers)."""
+    from dominospec.eval.walk import walk_answer
 
-    ids = item["input_ids"].to(target.device)
-    feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], layer_ids)[0].clone()
-    return [walk_sequence(draft, target.embed_tokens, target.lm_head, ids, item["loss_mask"], feats,
-                          draft.config.block_size - 1, head=head, chunk=256) for head in heads]
+    return walk_answer(draft, target, item["input_ids"], item["loss_mask"], heads, chunk=256)
 
 
-@torch.no_grad()
 def walk_score(draft: Any, target: Any, seqs: list[dict[str, torch.Tensor]], layer_ids: list[int]) -> dict:
     """Engine τ (walk, K = B - 1) on the target's own answers, head on and off."""
     from dominospec.train.walk import WalkStats
 
     heads = {"domino": WalkStats(), "head_off": WalkStats()}
     for item in seqs:
-        on, off = walk_item(draft, target, item, layer_ids, (True, False))
+        on, off = walk_item(draft, target, item, (True, False))
         heads["domino"].merge(on)
         heads["head_off"].merge(off)
     return {name: stats.as_dict() for name, stats in heads.items()}
@@ -268,7 +263,7 @@ def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: 
         for p in prompts:
             g = engine.generate(p.tolist(), max_new)
             emitted, rounds = emitted + g.stats.round_tokens, rounds + g.stats.rounds
-            walk.merge(walk_item(draft, target, as_sequences([p], [g.token_ids])[0], layer_ids, (head,))[0])
+            walk.merge(walk_item(draft, target, as_sequences([p], [g.token_ids])[0], (head,))[0])
         out[mode] = {"engine_tau": emitted / max(1, rounds), "walk_tau": walk.acceptance_length,
                      "seconds": round(time.perf_counter() - tick, 1)}
     return out

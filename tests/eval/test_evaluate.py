@@ -131,6 +131,13 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
         "device": "cpu", "dtype": "float32", "block_size": 4, "temperature": 0.0, "max_new_tokens": 12}
     assert report["draft_dir"] == str(Path(params.paths.checkpoints) / "final")
     assert report["draft_sha256"] == sha256_file(Path(report["draft_dir"]) / "model.safetensors")
+    # the fixed-K walk over the AR answers: every answer token after the first is emitted by some round
+    walk = suite["walk"]
+    assert walk["num_draft"] == report["block_size"] - 1
+    for mode in ("domino", "dflash"):
+        assert walk[mode]["emitted"] == suite["ar_new_tokens"] - suite["n_prompts"], mode
+        assert walk[mode]["replies"] == suite["n_prompts"]
+        assert 1.0 <= walk[mode]["acceptance_length"] == walk[mode]["emitted"] / walk[mode]["rounds"] <= report["block_size"]
 
     plots = Path(params.paths.plots)
     rows = (plots / "eval_acceptance" / "mine.csv").read_text().splitlines()
@@ -145,6 +152,7 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     run = next(r for r in runs if r.info.run_name == "evaluate")
     assert run.data.tags["training_run_id"] == TRAIN_RUN_ID
     assert run.data.metrics["mine/speedup"] == pytest.approx(suite["speedup"])
+    assert run.data.metrics["mine/walk/domino/acceptance_length"] == pytest.approx(walk["domino"]["acceptance_length"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
 

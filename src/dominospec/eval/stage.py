@@ -8,8 +8,9 @@ Outputs:
   metrics/eval.json           per suite: τ (pooled, with its standard error over prompts) of each
                               mode, tokens/s, speedup, exact match with AR (greedy), divergences
                               with the target's top-2 margin, acceptance by position, per-round
-                              costs; auto-K's measured round cost by K and what it chose; the
-                              run's settings
+                              costs; greedy: `walk`, the draft's τ at fixed K = B - 1 on the AR
+                              answers (eval.walk: independent of auto-K and machine load);
+                              auto-K's measured round cost by K and what it chose; the run's settings
   plots/eval_acceptance/*.csv, plots/eval_tau.csv, plots/eval_*.png   (see eval.plots)
   one MLflow run              params, metrics `<suite>/<key>`, the PNGs and eval.json, tagged
                               with the training run id (`checkpoints/run.json: mlflow_run_id`)
@@ -36,6 +37,7 @@ from dominospec.engine.configure import engine_options, prepare_target, sampling
 from dominospec.engine.policy import choose_k
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
+from dominospec.eval.walk import walk_suite
 from dominospec.eval.report import HEAD, NGRAM, NO_HEAD, suite_report
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
@@ -78,7 +80,7 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     for engine in engines.values():  # first calls allocate and pick kernels: keep them out of the timings
         engine.generate(suites[0].prompts[0], min(8, cfg.max_new_tokens), sampling, seed=cfg.seed)
     report: dict[str, Any] = {
-        "suites": {s.name: run_suite(s, engines, spec_mode, sampling, cfg) for s in suites},
+        "suites": {s.name: run_suite(s, engines, spec_mode, sampling, cfg, draft) for s in suites},
         "empty_suites": empty,
         "spec_mode": spec_mode,
         "device": str(target.device),
@@ -109,6 +111,10 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
         for mode, m in suite["modes"].items():
             print(f"{name} {mode}: τ {_fmt(m['acceptance_length'])} ± {_fmt(m['acceptance_length_se'])}, "
                   f"{_fmt(m['tokens_per_s'])} tok/s, speedup {_fmt(m['speedup'])}, exact match {_fmt(m['exact_match'])}")
+        for mode, w in suite.get("walk", {}).items():
+            if isinstance(w, dict):
+                print(f"{name} {mode}: walk τ at K = {suite['walk']['num_draft']} "
+                      f"{_fmt(w['acceptance_length'])} ± {_fmt(w['acceptance_length_se'])}")
     return report
 
 
@@ -132,8 +138,8 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,
-              cfg: EvaluateParams) -> dict[str, Any]:
-    """Every prompt through every mode, interleaved -> the suite's metrics."""
+              cfg: EvaluateParams, draft: Any) -> dict[str, Any]:
+    """Every prompt through every mode, interleaved -> the suite's metrics (greedy: + the walk τ of `draft`)."""
     runs: list[dict[str, Generation]] = []
     for i, ids in enumerate(suite.prompts):
         runs.append({
@@ -143,7 +149,10 @@ def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, samp
         spec = runs[-1][spec_mode].stats
         print(f"[{suite.name} {i + 1}/{len(suite.prompts)}] {spec.new_tokens} tokens, τ {_fmt(spec.acceptance_length)}, "
               f"AR {_fmt(runs[-1]['ar'].stats.tokens_per_s)} vs spec {_fmt(spec.tokens_per_s)} tok/s", flush=True)
-    return suite_report(runs, suite.prompts, spec_mode, sampling.greedy, engines["ar"], suite.skipped_too_long)
+    report = suite_report(runs, suite.prompts, spec_mode, sampling.greedy, engines["ar"], suite.skipped_too_long)
+    if sampling.greedy:  # the walk drafts greedily: it predicts the engine only for greedy decoding
+        report["walk"] = walk_suite(draft, engines["ar"].target, suite.prompts, [r["ar"].token_ids for r in runs])
+    return report
 
 
 def training_run_id(params: Params) -> Optional[str]:
@@ -164,7 +173,8 @@ def log_run(params: Params, report: dict[str, Any], artifacts: list[Path]) -> No
     tags = {**run_tags("evaluate"), "training_run_id": training_run_id(params) or "", "draft_dir": report["draft_dir"]}
     metrics = {}
     for suite, entry in report["suites"].items():
-        flat = {**entry, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()},
+        walk = {f"walk/{m}/{k}": v for m, w in entry.get("walk", {}).items() if isinstance(w, dict) for k, v in w.items()}
+        flat = {**entry, **walk, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()},
                 **{f"{mode}/{k}": v for mode, m in entry["modes"].items() for k, v in m.items()}}
         numeric = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         metrics.update({f"{suite}/{k}": float(v) for k, v in numeric.items()})
