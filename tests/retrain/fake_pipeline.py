@@ -3,7 +3,7 @@
 `retrain.commands` runs `python fake_pipeline.py --params params.yaml` in the test's workspace. It
 reads `candidate.json` there, {"tau", "exact_match", "action"}, and with action
   ok     writes paths.draft (config.json + model.safetensors unique to this run), dvc.lock and
-         <paths.metrics>/eval.json (eval/report.py's keys: suites.<name>.acceptance_length, ...);
+         <paths.metrics>/eval.json (eval/stage.py's keys: suites.<name>.walk.domino.acceptance_length = tau, ...);
   exit   writes half a draft, then exits 3 (a crashed `dvc repro`);
   hang   writes `started` (its pid), waits until `release` exists (60 s at most), then as ok;
   stale_eval  as ok, then replaces the draft's weights (eval.json no longer describes them).
@@ -28,9 +28,11 @@ def write_outputs(params, tau: float, exact_match: float) -> None:
     (draft / "model.safetensors").write_bytes(weights)
     Path("dvc.lock").write_text(f"schema: '2.0'\nstages: {{}}  # {time.time_ns()}\n")
 
-    def suite(t: float) -> dict:
-        return {"acceptance_length": t, "acceptance_length_se": 0.02, "exact_match": exact_match,
-                "speedup": 1.1, "n_prompts": 16, "acceptance_length_no_head": t - 0.05}
+    def suite(t: float) -> dict:  # the gate reads the walk's τ; the engine's auto-K τ is flat on purpose
+        walk = {"num_draft": 7, "domino": {"acceptance_length": t, "acceptance_length_se": 0.02},
+                "dflash": {"acceptance_length": t - 0.05, "acceptance_length_se": 0.02}}
+        return {"acceptance_length": 1.0, "acceptance_length_se": 0.02, "exact_match": exact_match,
+                "speedup": 1.1, "n_prompts": 16, "acceptance_length_no_head": 1.0, "walk": walk}
 
     report = {"suites": {"sharegpt": suite(tau), "humaneval": suite(tau - 0.1)}, "empty_suites": {},
               "spec_mode": "domino", "draft_dir": str(draft), "draft_sha256": hashlib.sha256(weights).hexdigest()}

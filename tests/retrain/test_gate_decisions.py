@@ -24,11 +24,30 @@ def score(tau, exact=1.0, suite="sharegpt"):
     (score(2.0, exact=0.9375), None, False, "exact match 0.9375 < 1"),  # not even a first champion
     (score(2.0, exact=None), None, False, "exact match not measured"),
     (score(2.0, suite="humaneval"), ChampionScore("1", "sharegpt", 1.30), False, "not comparable"),
+    (dataclasses.replace(score(2.0), metric="walk@K7"), ChampionScore("1", "sharegpt", 1.30), False,
+     "gated on τ 'engine', this candidate on 'walk@K7': not comparable"),
+    (dataclasses.replace(score(1.31), metric="walk@K7"), ChampionScore("1", "sharegpt", 1.30, "walk@K7"), True,
+     "1.3100 >= champion version 1 τ 1.3000 - tolerance 0.05 = 1.2500 on sharegpt (walk@K7)"),
 ])
 def test_decide(candidate, champion, promote, reason):
     decision = decide(candidate, champion, tolerance=0.05)
     assert decision.promote is promote
     assert reason in decision.reason
+
+
+def test_the_gate_reads_the_fixed_k_walk_when_the_evaluation_has_it():
+    """The walk τ (weights only) wins over the engine's auto-K τ (load-dependent); old reports fall back."""
+    from dominospec.retrain.gate import read_score
+
+    entry = {"acceptance_length": 1.10, "acceptance_length_se": 0.05, "exact_match": 1.0}
+    walk = {"num_draft": 7, "domino": {"acceptance_length": 1.62, "acceptance_length_se": 0.04},
+            "dflash": {"acceptance_length": 1.50, "acceptance_length_se": 0.04}}
+    with_walk = read_score({"spec_mode": "domino", "suites": {"sharegpt": {**entry, "walk": walk}}}, "sharegpt")
+    assert (with_walk.acceptance_length, with_walk.acceptance_length_se, with_walk.metric) == (1.62, 0.04, "walk@K7")
+    head_off = read_score({"spec_mode": "dflash", "suites": {"sharegpt": {**entry, "walk": walk}}}, "sharegpt")
+    assert head_off.acceptance_length == 1.50
+    old = read_score({"spec_mode": "domino", "suites": {"sharegpt": entry}}, "sharegpt")
+    assert (old.acceptance_length, old.metric) == (1.10, "engine")
 
 
 def test_first_version_becomes_champion_with_its_tags(workspace, registry):
@@ -39,14 +58,16 @@ def test_first_version_becomes_champion_with_its_tags(workspace, registry):
     tags = registry.client.get_model_version("dominospec-draft", "1").tags
     assert tags["gate.decision"] == "promoted" and "first version" in tags["gate.reason"]
     assert float(tags["gate.acceptance_length"]) == 1.30 and float(tags["gate.exact_match"]) == 1.0
-    assert float(tags["eval.sharegpt.acceptance_length"]) == 1.30
-    assert float(tags["eval.humaneval.acceptance_length"]) == pytest.approx(1.20)
+    assert tags["gate.metric"] == "walk@K7"  # the fixed-K walk, not the engine's auto-K τ (1.0 here)
+    assert float(tags["eval.sharegpt.acceptance_length"]) == 1.0
+    assert float(tags["eval.sharegpt.walk_domino"]) == 1.30
+    assert float(tags["eval.humaneval.walk_domino"]) == pytest.approx(1.20)
     assert tags["dvc_lock_sha256"] == hashlib.sha256((workspace.root / "dvc.lock").read_bytes()).hexdigest()
     assert tags["draft_sha256"] == hashlib.sha256((workspace.root / "artifacts/draft/model.safetensors")
                                                   .read_bytes()).hexdigest()
     assert tags["git_commit"]  # 'unknown' here: the workspace is no git checkout
     run = registry.client.get_run(report["mlflow_run_id"])
-    assert run.data.metrics["sharegpt/acceptance_length"] == 1.30
+    assert run.data.metrics["sharegpt/walk_domino"] == 1.30 and run.data.metrics["sharegpt/acceptance_length"] == 1.0
     assert workspace.report()["decision"] == "promoted"
 
 
@@ -65,7 +86,7 @@ def test_worse_candidate_is_not_promoted_and_says_why(workspace, registry, capsy
     workspace.candidate(tau=1.20)  # 0.20 below the champion, tolerance 0.05
     assert main(["retrain", "--params", str(workspace.params_path)]) == 1
     assert registry.champion_version() == "1"
-    why = "gate τ 1.2000 < champion version 1 τ 1.4000 - tolerance 0.05 = 1.3500 on sharegpt"
+    why = "gate τ 1.2000 < champion version 1 τ 1.4000 - tolerance 0.05 = 1.3500 on sharegpt (walk@K7)"
     tags = registry.client.get_model_version("dominospec-draft", "2").tags
     assert tags["gate.decision"] == "rejected" and tags["gate.reason"] == why
     report = workspace.report()

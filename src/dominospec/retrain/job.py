@@ -55,9 +55,6 @@ def check_gate_params(params: Params) -> None:
         raise UserError(f"retrain.gate_suite {cfg.gate_suite!r} is not one of evaluate.suites {suites}")
     if not cfg.commands or not all(cfg.commands):
         raise UserError("retrain.commands must list at least one non-empty command")
-    if params.evaluate.num_draft == "auto":  # measured: the same weights gave gate τ 1.00, then 1.88
-        print("retrain: warning: evaluate.num_draft is auto: auto-K picks K from measured timings, so the gate τ "
-              "moves with machine load; a fixed num_draft gates on the draft alone", flush=True)
 
 
 def run_commands(commands: list[list[str]]) -> None:

@@ -6,8 +6,8 @@ and registers the run's `draft/` artifact as a new version. Version tags:
   gate.decision      pending -> promoted | rejected (a version left `pending` belongs to a retrain
                      that died between registering and deciding; it never became champion)
   gate.reason        the gate's one-line reason
-  gate.suite, gate.acceptance_length, gate.acceptance_length_se, gate.exact_match, gate.spec_mode,
-  gate.tolerance, gate.champion_before
+  gate.suite, gate.metric, gate.acceptance_length, gate.acceptance_length_se, gate.exact_match,
+  gate.spec_mode, gate.tolerance, gate.champion_before
   eval.<suite>.<key> the evaluation's headline metrics, every suite
   git_commit, dvc_lock_sha256, draft_sha256
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from dominospec.config import Params
 from dominospec.errors import UserError
-from dominospec.retrain.gate import ChampionScore, Decision, GateScore
+from dominospec.retrain.gate import ENGINE, ChampionScore, Decision, GateScore
 
 CHAMPION = "champion"
 PENDING, PROMOTED, REJECTED = "pending", "promoted", "rejected"
@@ -41,16 +41,25 @@ class ChampionDraft:
 
 
 def eval_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """eval.json document -> {"<suite>/<key>": value} for the numeric headline metrics of every suite."""
-    return {f"{suite}/{key}": float(entry[key]) for suite, entry in report["suites"].items()
-            for key in EVAL_KEYS if isinstance(entry.get(key), (int, float)) and not isinstance(entry.get(key), bool)}
+    """eval.json document -> {"<suite>/<key>": value} for the numeric headline metrics of every suite,
+    the fixed-K walk's τ of each mode as "<suite>/walk_<mode>"."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    out = {}
+    for suite, entry in report["suites"].items():
+        out.update({f"{suite}/{key}": float(entry[key]) for key in EVAL_KEYS if number(entry.get(key))})
+        walk = entry.get("walk") or {}
+        out.update({f"{suite}/walk_{mode}": float(w["acceptance_length"]) for mode, w in walk.items()
+                    if isinstance(w, dict) and number(w.get("acceptance_length"))})
+    return out
 
 
 def gate_tags(score: GateScore, tolerance: float) -> dict[str, str]:
     """Candidate's gate score -> its `gate.*` version tags (decision still pending)."""
     return {"gate.decision": PENDING, "gate.suite": score.suite, "gate.acceptance_length": str(score.acceptance_length),
             "gate.acceptance_length_se": str(score.acceptance_length_se), "gate.exact_match": str(score.exact_match),
-            "gate.spec_mode": score.spec_mode, "gate.tolerance": str(tolerance)}
+            "gate.spec_mode": score.spec_mode, "gate.metric": score.metric, "gate.tolerance": str(tolerance)}
 
 
 class Registry:
@@ -84,7 +93,8 @@ class Registry:
             return None
         tags = self.client.get_model_version(self.name, version).tags
         try:
-            return ChampionScore(version, tags["gate.suite"], float(tags["gate.acceptance_length"]))
+            return ChampionScore(version, tags["gate.suite"], float(tags["gate.acceptance_length"]),
+                                 tags.get("gate.metric", ENGINE))
         except (KeyError, ValueError):
             raise UserError(f"{self.name} version {version} is champion but has no gate.suite / gate.acceptance_length "
                             "tags (set by hand?): tag it, or move the alias to a gated version") from None
