@@ -1,0 +1,103 @@
+"""What bounds τ: the draft's first drafted token against how sure the target itself is there.
+
+τ is lost at the first drafted token (docs/benchmarks.md, the draft-quality study). This script asks
+whether that is the draft's fault or the target's: over every anchor a of the target's own replies
+(the regenerated val split), it puts side by side
+    p1      the target's own top-1 probability for x[a+1] (its logits at position a: the token the
+            draft's slot 0 must name, greedy),
+    right   whether the draft's first token d_1 at anchor a equals x[a+1],
+and tabulates the draft's accuracy by bucket of p1. Where the target is unsure (small p1), its
+greedy pick hinges on small logit differences computed from features the draft never sees (the
+anchor's own), so a draft can match it only by luck; where the target is sure, a good draft
+should match it nearly always.
+
+    python benchmarks/tau_bound.py --params params.yaml [--draft artifacts/draft] [--split val] \
+        [--max-sequences 24] [--out tau_bound.json]
+
+Prints a markdown table last; CPU or GPU (the target's device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
+
+
+@torch.no_grad()
+def anchor_records(draft, target, ids: torch.Tensor, loss_mask: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """One sequence -> [A, 2] rows (p1, d_1 right) for every anchor of its first reply."""
+    from dominospec.train.objective import draft_block_logits, make_blocks
+    from dominospec.train.walk import reply_spans
+
+    spans = [(s, e) for s, e in reply_spans(loss_mask) if e - s >= 2][:1]
+    if not spans:
+        return torch.zeros(0, 2)
+    s, e = spans[0]
+    supervised = torch.zeros_like(loss_mask, dtype=torch.bool)
+    supervised[s:e] = True
+    ids = ids.to(target.device)
+    out = target.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[l + 1] for l in draft.config.target_layer_ids], dim=-1)  # [1, T, n*H]
+    p1_all = out.logits[0].float().softmax(-1).amax(-1)  # [T]: logits[a] predict x[a+1]
+    rows = []
+    for part in torch.arange(s, e - 1).split(chunk):
+        blocks = make_blocks(ids[None], supervised[None].to(ids.device), 0, draft.config.block_size,
+                             draft.config.mask_token_id, anchors=[part.to(ids.device)])
+        base, final = draft_block_logits(draft, target.embed_tokens, target.lm_head, feats, blocks)
+        logits = final if final is not None else base  # [1, N, Bk, V]
+        right = (logits[0, :, 0].argmax(-1) == blocks.labels[0, :, 0]) & blocks.label_mask[0, :, 0]
+        rows.append(torch.stack([p1_all[part.to(ids.device)].cpu(), right.float().cpu()], dim=1))
+    return torch.cat(rows)
+
+
+def table(records: torch.Tensor) -> list[dict]:
+    """[A, 2] (p1, right) -> per p1 bucket: share of anchors, draft first-token accuracy."""
+    out = []
+    for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:]):
+        sel = (records[:, 0] >= lo) & (records[:, 0] < hi)
+        n = int(sel.sum())
+        out.append(dict(p1=f"{lo:.1f}-{min(hi, 1.0):.1f}", anchors=n, share=n / max(1, len(records)),
+                        draft_right=float(records[sel, 1].mean()) if n else None))
+    return out
+
+
+def main() -> None:
+    from dominospec.config import load_params
+    from dominospec.engine import draft_dir, load_draft
+    from dominospec.target import load_target
+    from dominospec.train.datamodule import PreparedSequences
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--draft", help="draft dir (default: the pipeline's export, else its final checkpoint)")
+    parser.add_argument("--split", default="val")
+    parser.add_argument("--max-sequences", type=int, default=24)
+    parser.add_argument("--out", help="JSON result path")
+    args = parser.parse_args()
+    params = load_params(args.params)
+    target = load_target(params.target)
+    source = args.draft or draft_dir(params.paths)
+    draft = load_draft(source, target)
+    data_root = Path(params.paths.regenerated if params.regenerate.enabled else params.paths.prepared)
+    seqs = PreparedSequences(data_root, args.split, args.max_sequences)
+    records = torch.cat([anchor_records(draft, target, item["input_ids"], item["loss_mask"]) for item in seqs])
+    rows = table(records)
+    result = dict(draft=str(source), data=str(data_root), split=args.split, sequences=len(seqs), anchors=len(records),
+                  draft_right=float(records[:, 1].mean()), target_p1_mean=float(records[:, 0].mean()), buckets=rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(seqs)} {args.split} replies of {data_root}, {len(records)} anchors, draft {source}: first drafted "
+          f"token right {100 * result['draft_right']:.1f} %, the target's mean top-1 probability {result['target_p1_mean']:.2f}\n")
+    print("| target's top-1 probability | share of anchors | draft's first token right |\n|---|---|---|")
+    for r in rows:
+        right = "–" if r["draft_right"] is None else f"{100 * r['draft_right']:.1f} %"
+        print(f"| {r['p1']} | {100 * r['share']:.1f} % ({r['anchors']}) | {right} |")
+
+
+if __name__ == "__main__":
+    main()
