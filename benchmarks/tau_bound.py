@@ -30,7 +30,10 @@ BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
 
 @torch.no_grad()
 def anchor_records(draft, target, ids: torch.Tensor, loss_mask: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """One sequence -> [A, 2] rows (p1, d_1 right) for every anchor of its first reply."""
+    """One sequence -> [A, 2] rows (p1, d_1 right) for every anchor of its first reply.
+    The per-anchor scoring is train.walk.walk_sequence's loop, kept at slot 0 rather than reduced to
+    accepted lengths."""
+    from dominospec.cache.features import target_hidden_and_logits
     from dominospec.train.objective import draft_block_logits, make_blocks
     from dominospec.train.walk import reply_spans
 
@@ -41,17 +44,18 @@ def anchor_records(draft, target, ids: torch.Tensor, loss_mask: torch.Tensor, ch
     supervised = torch.zeros_like(loss_mask, dtype=torch.bool)
     supervised[s:e] = True
     ids = ids.to(target.device)
-    out = target.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[l + 1] for l in draft.config.target_layer_ids], dim=-1)  # [1, T, n*H]
-    p1_all = out.logits[0].float().softmax(-1).amax(-1)  # [T]: logits[a] predict x[a+1]
+    feats, logits = target_hidden_and_logits(target.model, ids[None], torch.ones_like(ids)[None],
+                                             list(draft.config.target_layer_ids))
     rows = []
     for part in torch.arange(s, e - 1).split(chunk):
+        part = part.to(ids.device)
         blocks = make_blocks(ids[None], supervised[None].to(ids.device), 0, draft.config.block_size,
-                             draft.config.mask_token_id, anchors=[part.to(ids.device)])
+                             draft.config.mask_token_id, anchors=[part])
         base, final = draft_block_logits(draft, target.embed_tokens, target.lm_head, feats, blocks)
-        logits = final if final is not None else base  # [1, N, Bk, V]
-        right = (logits[0, :, 0].argmax(-1) == blocks.labels[0, :, 0]) & blocks.label_mask[0, :, 0]
-        rows.append(torch.stack([p1_all[part.to(ids.device)].cpu(), right.float().cpu()], dim=1))
+        slot0 = (final if final is not None else base)[0, :, 0]  # [N, V]: d_1 at each anchor
+        right = (slot0.argmax(-1) == blocks.labels[0, :, 0]) & blocks.label_mask[0, :, 0]
+        p1 = logits[0, part].float().softmax(-1).amax(-1)  # logits[a] predict x[a+1]
+        rows.append(torch.stack([p1.cpu(), right.float().cpu()], dim=1))
     return torch.cat(rows)
 
 
