@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 # name -> overrides of (draft.*, train.*) and the data ("regen" | "orig", fraction of conversations)
-BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False)
+BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False,
+            labels="data", lr=None, orig=0)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "base": {},
     "depth2": dict(num_layers=2),
@@ -45,6 +46,17 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "kd": dict(loss="kd"),
     "init-target": dict(init=True),
     "steps2x": dict(steps_factor=2.0),
+    # The CPU default's question (run with --batch-size 4 --num-anchors 32 --steps 1200 and a pack
+    # of 192 regenerated prompts): its 192 replies are memorised (train loss ~1, val loss ~8), so
+    # does supervision by the target's own greedy tokens on every position, and on original
+    # conversations that need no regeneration, buy τ?
+    "target-labels": dict(labels="target"),
+    "target-labels+orig1k": dict(labels="target", orig=1000),
+    "target-labels+orig3k": dict(labels="target", orig=3000),
+    "target-labels+orig3k-lr2e-3": dict(labels="target", orig=3000, lr=2e-3),
+    "orig3k-data-labels": dict(orig=3000),
+    "target-labels+orig1k-2x": dict(labels="target", orig=1000, steps_factor=2.0),
+    "target-labels+orig1k-b4-2x": dict(labels="target", orig=1000, block_size=4, loss_gamma=2.0, steps_factor=2.0),
 }
 FACTORS = {  # factor -> candidates that change it (the base holds the first value)
     "num_layers": ["depth2", "depth4"],
@@ -210,7 +222,8 @@ def train_candidate(params: Any, target: Any, spec: dict[str, Any], items: list[
 
     draft_p = dataclasses.replace(params.draft, num_layers=spec["num_layers"], block_size=spec["block_size"])
     train_p = dataclasses.replace(params.train, features="online", max_steps=steps, loss=spec["loss"],
-                                  loss_gamma=spec["loss_gamma"], init_from_target=spec["init"])
+                                  loss_gamma=spec["loss_gamma"], init_from_target=spec["init"],
+                                  labels=spec["labels"], lr=spec["lr"] or params.train.lr)
     L.seed_everything(train_p.seed, workers=True)
     draft = DFlashDraftModel(draft_config(draft_p, target, layer_ids, mask_token_id))
     if spec["init"]:
@@ -322,6 +335,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"study: no time left for {name}; run again to continue", flush=True)
             break
         items = orig if spec["data"] == "orig" else regen[: max(1, int(len(regen) * spec["fraction"]))]
+        items = items + orig[: spec["orig"]]
         tick = time.perf_counter()
         draft = train_candidate(params, target, spec, items, steps, data["mask_token_id"], layer_ids)
         fit_s = time.perf_counter() - tick

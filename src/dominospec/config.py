@@ -132,6 +132,7 @@ class TrainParams:
     loss_gamma: float  # position weights w_k = exp(-k / gamma)
     lambda_decay_fraction: float  # lambda: 1 -> 0 linearly over this fraction of the steps
     loss: Literal["ce", "kd"]  # ce: hard labels; kd: the target's own next-token distribution (online only)
+    labels: Literal["data", "target"]  # data: the data's tokens on assistant turns; target: the target's greedy token at every position
     init_from_target: bool  # draft layers start as copies of the target layers after the deepest feature
     loss_vocab: Literal["full", "data"]  # data: the training softmax spans only tokens the train split supervises
     val_every_steps: int

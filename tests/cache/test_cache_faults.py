@@ -118,11 +118,12 @@ def test_reader_pickles_without_rehashing(built):
 
 
 def test_disk_estimate_refuses_before_writing(tmp_path, tiny_targets, loaded_targets, monkeypatch):
+    # 137 B/token: 2 layers x 32 x bf16 features (128) + int32 ids + uint8 mask + int32 target_next
     save_regenerated(tmp_path / "regenerated", loaded_targets["llama"].identity.as_dict(), SIZES)
     params = load_params(write_params(tmp_path / "params.yaml", tiny_targets["llama"], tmp_path, **KNOBS))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 * 2**20))
-    with pytest.raises(UserError, match=r"not enough disk for the cache at .*cache: [\d,]+ tokens x 133 B/token .* 0\.10 GiB free"):
+    with pytest.raises(UserError, match=r"not enough disk for the cache at .*cache: [\d,]+ tokens x 137 B/token .* 0\.10 GiB free"):
         cache(params)
     assert not (tmp_path / "cache").exists()
 

@@ -116,8 +116,9 @@ def test_cache_file_names():
 
 
 def test_bytes_per_token():
-    assert fmt.bytes_per_token(5 * 576, "bfloat16") == 5 * 576 * 2 + 5
-    assert fmt.bytes_per_token(64, "float32") == 64 * 4 + 5
+    # features + int32 input_ids + uint8 loss_mask + int32 target_next
+    assert fmt.bytes_per_token(5 * 576, "bfloat16") == 5 * 576 * 2 + 9
+    assert fmt.bytes_per_token(64, "float32") == 64 * 4 + 9
 
 
 @pytest.mark.parametrize("key", ["num_feature_layers", "batch_tokens", "shard_tokens", "max_val_conversations"])

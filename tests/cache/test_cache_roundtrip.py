@@ -17,11 +17,12 @@ from dominospec.target import default_layer_ids
 SIZES = {"train": 23, "val": 6, "test": 4}
 
 
-def _reference_hidden(target, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """One unpadded sequence [T] -> cat of HF hidden_states[l+1] over layer_ids, [T, n*H] float32."""
+def _reference(target, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One unpadded sequence [T] -> (cat of HF hidden_states[l+1] over layer_ids [T, n*H] float32,
+    the logits [T, V])."""
     with torch.inference_mode():
         out = target.model(input_ids=input_ids[None], output_hidden_states=True)
-    return torch.cat([out.hidden_states[l + 1][0] for l in layer_ids], dim=-1)
+    return torch.cat([out.hidden_states[l + 1][0] for l in layer_ids], dim=-1), out.logits[0]
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,12 @@ def test_round_trip_equals_direct_forward(tmp_path, tiny_targets, loaded_targets
             assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == row["input_ids"]
             assert item["loss_mask"].dtype == torch.bool and item["loss_mask"].tolist() == [bool(m) for m in row["loss_mask"]]
             assert item["target_hidden"].dtype == fmt.DTYPES[dtype]
-            ref = _reference_hidden(target, item["input_ids"], layer_ids)
+            ref, logits = _reference(target, item["input_ids"], layer_ids)
+            # the target's greedy next token: its argmax, unless padding's rounding flips a near-tie
+            top2 = logits.topk(2, dim=-1).values
+            decided = (top2[:, 0] - top2[:, 1]) > 1e-4
+            assert item["target_next"].dtype == torch.int64 and decided.float().mean() > 0.9
+            assert torch.equal(item["target_next"][decided], logits.argmax(-1)[decided])
             assert item["target_hidden"].shape == ref.shape
             if dtype == "float32":  # padding and batching change only float rounding
                 torch.testing.assert_close(item["target_hidden"], ref, rtol=1e-5, atol=1e-5)
@@ -72,7 +78,7 @@ def test_round_trip_equals_direct_forward(tmp_path, tiny_targets, loaded_targets
     assert metrics["tokens_per_s"] > 0 and metrics["shard_seconds"] <= metrics["seconds"]
     assert metrics["splits"]["train"]["sequences"] == 20 and metrics["splits"]["val"]["sequences"] == SIZES["val"]
     assert metrics["layer_ids"] == layer_ids
-    assert metrics["bytes_per_token"] == n * target.hidden_size * fmt.DTYPES[dtype].itemsize + 5
+    assert metrics["bytes_per_token"] == n * target.hidden_size * fmt.DTYPES[dtype].itemsize + 9
     shard_files = sorted(p.name for p in (tmp_path / "cache").glob("*.safetensors"))
     assert metrics["shards"] == len(shard_files)
     assert metrics["disk_bytes"] == sum((tmp_path / "cache" / f).stat().st_size for f in shard_files + ["manifest.json"])
@@ -83,7 +89,7 @@ def test_features_differ_between_layers(loaded_targets):
     # The round trip above can only catch a wrong layer if neighbouring layers differ by more than its tolerance.
     target = loaded_targets["llama"]
     ids = torch.arange(3, 40)
-    h = _reference_hidden(target, ids, [1, 2])
+    h, _ = _reference(target, ids, [1, 2])
     a, b = h[:, :32], h[:, 32:]
     assert ((a - b).abs() > 2**-8 * a.abs() + 1e-3).float().mean() > 0.5
 

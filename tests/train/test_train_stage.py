@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "tests" / "cache"))
 from cache_helpers import save_regenerated, save_tiny_target, target_params, write_params  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402
+from dominospec.errors import UserError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_loss_vocab_data_trains_only_the_supervised_tokens_head_rows(tiny_cache,
     from dominospec.train.objective import loss_vocabulary
     from dominospec.train.stage import train
 
-    train(load_params(run_params(tiny_cache, tmp_path, loss_vocab="data")))
+    train(load_params(run_params(tiny_cache, tmp_path, loss_vocab="data", labels="data")))
     vocab = loss_vocabulary(PreparedSequences(tiny_cache / "regenerated", "train"))
     w2 = load_file(str(tmp_path / "checkpoints" / "final" / "model.safetensors"))["embed_proj.2.weight"]  # [V, r]
     inside = torch.zeros(w2.shape[0], dtype=torch.bool)
@@ -110,6 +111,15 @@ def test_loss_vocab_data_trains_only_the_supervised_tokens_head_rows(tiny_cache,
     assert w2[inside].abs().sum(-1).min() > 0
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 6 and metrics["val_walk_acceptance_length"] >= 1.0
+
+
+def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
+    """The loss vocabulary spans the data's assistant tokens; the target's labels can lie outside it."""
+    from dominospec.train.stage import train
+
+    with pytest.raises(UserError, match="train.loss_vocab: data .* train.labels: target"):
+        train(load_params(run_params(tiny_cache, tmp_path, loss_vocab="data", labels="target")))
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):

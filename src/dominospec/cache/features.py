@@ -1,8 +1,9 @@
 """Target features: which layers, and one batched forward that returns their outputs.
 
 Layer l is the output of decoder layer l, the raw residual stream, which HF returns as
-`hidden_states[l+1]` with `output_hidden_states=True`. The forward runs the target's base model
-(no LM head) and stops after the deepest layer needed.
+`hidden_states[l+1]` with `output_hidden_states=True`. `target_hidden` runs the target's base model
+(no LM head) and stops after the deepest layer needed; `target_hidden_and_next` (the cache) runs
+the whole model and also returns the target's greedy next token at every position.
 """
 
 from __future__ import annotations
@@ -48,14 +49,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-@torch.inference_mode()
-def target_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]
-) -> torch.Tensor:
-    """input_ids [B, T], attention_mask [B, T] (1 = real, right padding) -> target_hidden [B, T, n*H].
-
-    Rows at padded positions hold whatever the target computed there; callers drop them.
-    """
+def _run_capturing(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   layer_ids: list[int], stop: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The base model's forward with the outputs of `layer_ids` captured -> (target_hidden
+    [B, T, n*H], last hidden state [B, T, H] after the final norm, or None when `stop` cut the
+    forward after the deepest captured layer)."""
     layers = decoder_layers(model)
     outputs: dict[int, torch.Tensor] = {}
     deepest = layer_ids[-1]
@@ -64,20 +62,47 @@ def target_hidden(
         def hook(_module: torch.nn.Module, _args: object, output: object) -> None:
             hidden = output[0] if isinstance(output, tuple) else output  # [B, T, H]
             outputs[layer_id] = hidden
-            if layer_id == deepest:
+            if stop and layer_id == deepest:
                 raise _StopForward
 
         return hook
 
     handles = [layers[l].register_forward_hook(capture(l)) for l in layer_ids]
+    last = None
     try:
-        model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     except _StopForward:
         pass
     finally:
         for handle in handles:
             handle.remove()
-    return torch.cat([outputs[l] for l in layer_ids], dim=-1)  # [B, T, n*H]
+    return torch.cat([outputs[l] for l in layer_ids], dim=-1), last  # [B, T, n*H], [B, T, H] | None
+
+
+@torch.inference_mode()
+def target_hidden(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]
+) -> torch.Tensor:
+    """input_ids [B, T], attention_mask [B, T] (1 = real, right padding) -> target_hidden [B, T, n*H].
+
+    Rows at padded positions hold whatever the target computed there; callers drop them.
+    """
+    return _run_capturing(model, input_ids, attention_mask, layer_ids, stop=True)[0]
+
+
+@torch.inference_mode()
+def target_hidden_and_next(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int],
+    chunk_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T], attention_mask [B, T] -> (target_hidden [B, T, n*H], target_next [B, T] long):
+    the whole forward; target_next[:, t] is the target's greedy token after x[..t]. The LM head runs
+    on `chunk_rows` rows at a time, so no [B, T, V] tensor is held."""
+    hidden, last = _run_capturing(model, input_ids, attention_mask, layer_ids, stop=False)
+    head = model.get_output_embeddings()
+    rows = last.reshape(-1, last.shape[-1])  # [B*T, H]
+    nxt = torch.cat([head(rows[i : i + chunk_rows]).argmax(-1) for i in range(0, rows.shape[0], chunk_rows)])
+    return hidden, nxt.view(last.shape[:2])
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ A shard holds a run of whole sequences, concatenated along the token axis (N tok
 
     input_ids      [N]       int32    target token ids
     loss_mask      [N]       uint8    1 = supervised (assistant) token
+    target_next    [N]       int32    the target's greedy token after x[..t] (argmax of its logits at t)
     target_hidden  [N, n*H]  <dtype>  outputs of the n target layers `layer_ids`, concatenated in
                                       layer order; layer l = HF hidden_states[l+1] (raw residual stream)
     offsets        [S+1]     int64    sequence s is rows offsets[s]:offsets[s+1]; offsets[0] = 0, offsets[S] = N
@@ -35,7 +36,7 @@ import torch
 from dominospec.errors import UserError
 from dominospec.files import TEMP_SUFFIX, write_atomic
 
-FORMAT_VERSION = 2  # bump whenever a shard or the manifest changes shape or meaning (2: shard seconds)
+FORMAT_VERSION = 3  # bump whenever a shard or the manifest changes shape or meaning (2: shard seconds, 3: target_next)
 MANIFEST_NAME = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 SPLITS = ("train", "val")
@@ -43,13 +44,14 @@ SPLITS = ("train", "val")
 # tensor names inside a shard
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
+TARGET_NEXT = "target_next"
 TARGET_HIDDEN = "target_hidden"
 OFFSETS = "offsets"
 
 # cache dtype name -> torch dtype; bytes per feature element follow from the torch dtype
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # as safe_open reports them
-ID_BYTES = 4 + 1  # int32 input_ids + uint8 loss_mask, per token
+ID_BYTES = 4 + 1 + 4  # int32 input_ids + uint8 loss_mask + int32 target_next, per token
 
 
 class CacheError(UserError):
@@ -202,17 +204,20 @@ def read_manifest(root: Path) -> Manifest:
 
 
 def shard_tensors(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, target_hidden: torch.Tensor, offsets: torch.Tensor
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, target_hidden: torch.Tensor, offsets: torch.Tensor,
+    target_next: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """The four shard tensors, checked and converted to their stored dtypes -> {name: tensor}."""
+    """The five shard tensors, checked and converted to their stored dtypes -> {name: tensor}."""
     n = input_ids.shape[0]
-    if loss_mask.shape != (n,) or target_hidden.shape[0] != n or target_hidden.ndim != 2:
-        raise ValueError(f"shard shapes disagree: {input_ids.shape}, {loss_mask.shape}, {target_hidden.shape}")
+    if loss_mask.shape != (n,) or target_next.shape != (n,) or target_hidden.shape[0] != n or target_hidden.ndim != 2:
+        raise ValueError(f"shard shapes disagree: {input_ids.shape}, {loss_mask.shape}, {target_next.shape}, "
+                         f"{target_hidden.shape}")
     if offsets[0] != 0 or offsets[-1] != n:
         raise ValueError(f"offsets must run from 0 to {n}, got {offsets[0]}..{offsets[-1]}")
     return {
         INPUT_IDS: input_ids.to(torch.int32).contiguous(),
         LOSS_MASK: loss_mask.to(torch.uint8).contiguous(),
+        TARGET_NEXT: target_next.to(torch.int32).contiguous(),
         TARGET_HIDDEN: target_hidden.contiguous(),
         OFFSETS: offsets.to(torch.int64).contiguous(),
     }

@@ -52,7 +52,8 @@ class CacheReader:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sequence index -> {'input_ids' [T] int64, 'loss_mask' [T] bool, 'target_hidden' [T, n*H] cache dtype}."""
+        """Sequence index -> {'input_ids' [T] int64, 'loss_mask' [T] bool, 'target_next' [T] int64,
+        'target_hidden' [T, n*H] cache dtype}."""
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
@@ -64,6 +65,7 @@ class CacheReader:
         return {
             "input_ids": handle.get_slice(fmt.INPUT_IDS)[a:b].long(),
             "loss_mask": handle.get_slice(fmt.LOSS_MASK)[a:b].bool(),
+            "target_next": handle.get_slice(fmt.TARGET_NEXT)[a:b].long(),
             # the slice is a view of the shared file mapping: copy, so a caller's in-place op stays its own
             "target_hidden": handle.get_slice(fmt.TARGET_HIDDEN)[a:b].clone(),
         }
@@ -107,6 +109,7 @@ class CacheReader:
         expected = {
             fmt.INPUT_IDS: ([shard.tokens], "I32"),
             fmt.LOSS_MASK: ([shard.tokens], "U8"),
+            fmt.TARGET_NEXT: ([shard.tokens], "I32"),
             fmt.TARGET_HIDDEN: ([shard.tokens, m.feature_dim], fmt.SAFETENSORS_DTYPES[m.dtype]),
             fmt.OFFSETS: ([shard.sequences + 1], "I64"),
         }

@@ -18,7 +18,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from dominospec import files
 from dominospec.cache import format as fmt
-from dominospec.cache.features import target_hidden
+from dominospec.cache.features import target_hidden_and_next
 from dominospec.errors import UserError
 
 DISK_MARGIN = 1.05  # the estimate is multiplied by this ...
@@ -159,6 +159,7 @@ def compute_shard(
     input_ids = torch.tensor([t for ids in rows["input_ids"] for t in ids], dtype=torch.int64)  # [N]
     loss_mask = torch.tensor([m for mask in rows["loss_mask"] for m in mask], dtype=torch.uint8)  # [N]
     hidden: torch.Tensor | None = None  # [N, n*H], allocated once the width is known
+    target_next = torch.empty_like(input_ids)  # [N] the target's greedy token after each position
     for batch in plan_batches(lengths, batch_tokens):
         width = lengths[batch[0]]  # longest first
         ids = torch.zeros(len(batch), width, dtype=torch.int64)  # [b, T]; pad id 0 is masked out
@@ -166,15 +167,16 @@ def compute_shard(
         for j, i in enumerate(batch):
             ids[j, : lengths[i]] = input_ids[offsets[i] : offsets[i + 1]]
             mask[j, : lengths[i]] = 1
-        feats = target_hidden(model, ids.to(device), mask.to(device), layer_ids)  # [b, T, n*H]
-        feats = feats.to("cpu", dtype)
+        feats, nxt = target_hidden_and_next(model, ids.to(device), mask.to(device), layer_ids)  # [b, T, n*H], [b, T]
+        feats, nxt = feats.to("cpu", dtype), nxt.cpu()
         if hidden is None:
             hidden = torch.empty(int(offsets[-1]), feats.shape[-1], dtype=dtype)
         for j, i in enumerate(batch):
             hidden[offsets[i] : offsets[i + 1]] = feats[j, : lengths[i]]
+            target_next[offsets[i] : offsets[i + 1]] = nxt[j, : lengths[i]]
         on_tokens(sum(lengths[i] for i in batch))
     assert hidden is not None, "a shard holds at least one sequence"
-    return fmt.shard_tensors(input_ids, loss_mask, hidden, offsets)
+    return fmt.shard_tensors(input_ids, loss_mask, hidden, offsets, target_next)
 
 
 def write_shard(

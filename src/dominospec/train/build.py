@@ -109,6 +109,9 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     if params.train.loss == "kd" and params.train.features != "online":
         raise UserError("train.loss: kd distils the target's logits, which only online features compute: "
                         "set train.features: online (or train.loss: ce)")
+    if params.train.labels == "target" and params.train.loss_vocab == "data":
+        raise UserError("train.loss_vocab: data spans the data's own assistant tokens, but train.labels: target "
+                        "supervises the target's greedy tokens: set train.loss_vocab: full (or train.labels: data)")
     if params.train.init_from_target:
         init_from_target(draft, target.model, layer_ids)
     lm_head = target.lm_head

@@ -7,7 +7,8 @@ Two feature modes (params `train.features`):
 
 A batch is a dict of right-padded tensors:
   input_ids [B, T] long, loss_mask [B, T] bool (False on padding), lengths [B] long,
-  target_hidden [B, T, n*H] (cache mode only).
+  target_hidden [B, T, n*H] and target_next [B, T] long (cache mode only; the target's greedy
+  token after each position, for `train.labels: target`).
 """
 
 from __future__ import annotations
@@ -95,12 +96,16 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     if "target_hidden" in items[0]:
         F = items[0]["target_hidden"].shape[-1]
         batch["target_hidden"] = torch.zeros(len(items), T, F, dtype=items[0]["target_hidden"].dtype)
+    if "target_next" in items[0]:
+        batch["target_next"] = torch.zeros(len(items), T, dtype=torch.long)
     for b, it in enumerate(items):
         n = len(it["input_ids"])
         batch["input_ids"][b, :n] = it["input_ids"]
         batch["loss_mask"][b, :n] = it["loss_mask"]
         if "target_hidden" in batch:
             batch["target_hidden"][b, :n] = it["target_hidden"]
+        if "target_next" in batch:
+            batch["target_next"][b, :n] = it["target_next"]
     return batch
 
 

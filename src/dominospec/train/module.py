@@ -25,6 +25,7 @@ from dominospec.train.objective import (
     draft_block_logits,
     make_blocks,
     position_weights,
+    target_label_ids,
     teacher_block_logits,
     vocab_index,
 )
@@ -115,7 +116,7 @@ class DraftLitModule(L.LightningModule):
 
     def features_and_teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch -> (target features [B, T, n*H], target logits [B, T, V]): one whole target
-        forward, for `train.loss: kd` (online mode only)."""
+        forward, for `train.loss: kd` and online `train.labels: target`."""
         from dominospec.cache.features import target_hidden_and_logits
 
         feats, logits = target_hidden_and_logits(self._target(), batch["input_ids"], self._attention_mask(batch),
@@ -148,13 +149,30 @@ class DraftLitModule(L.LightningModule):
         """lambda at the current optimiser step (1 -> 0 over lambda_decay_fraction of max_steps)."""
         return curriculum_lambda(self.global_step, self.trainer.max_steps, self.hp.lambda_decay_fraction)
 
+    def _train_blocks(self, batch: dict[str, torch.Tensor], target_logits: Optional[torch.Tensor]):
+        """This step's blocks. train.labels: data -> labels are the data's tokens on loss-masked
+        positions; target -> every real position after the first is supervised by the target's
+        own greedy token (cached `target_next` [B, T], or the argmax of the online logits)."""
+        generator = self._generator(self.global_step)
+        if self.hp.labels == "data":
+            return self._blocks(batch, generator)
+        target_next = batch.get("target_next")
+        if target_next is None:
+            target_next = target_logits.argmax(-1)
+        ids = batch["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        supervised = (positions >= 1) & (positions < batch["lengths"].to(ids.device)[:, None])  # [B, T]
+        cfg = self.draft.config
+        return make_blocks(ids, supervised, self.hp.num_anchors, cfg.block_size, cfg.mask_token_id, generator,
+                           label_ids=target_label_ids(ids, target_next.to(ids.device)))
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        teacher = None
-        if self.hp.loss == "kd":
+        teacher = target_logits = None
+        if self.hp.loss == "kd" or (self.hp.labels == "target" and "target_next" not in batch):
             feats, target_logits = self.features_and_teacher(batch)
         else:
             feats = self.features(batch)
-        blocks = _to(self._blocks(batch, self._generator(self.global_step)), self.device)
+        blocks = _to(self._train_blocks(batch, target_logits), self.device)
         if self.hp.loss == "kd":
             teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
         labels, label_mask = blocks.labels, blocks.label_mask

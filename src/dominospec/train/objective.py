@@ -142,10 +142,18 @@ def make_blocks(
     mask_token_id: int,
     generator: Optional[torch.Generator] = None,
     anchors: Optional[list[torch.Tensor]] = None,
+    label_ids: Optional[torch.Tensor] = None,
 ) -> BlockBatch:
     """input_ids [B, T], loss_mask [B, T] (False on padding) -> BlockBatch, anchors re-drawn
-    (or the given per-sequence `anchors`, for evaluation and tests)."""
+    (or the given per-sequence `anchors`, for evaluation and tests).
+
+    `label_ids` [B, T] (default: input_ids) is the token each position should hold; slot j's label
+    is label_ids[a+1+j]. With the target's own labels (`target_label_ids`) a slot j >= 1 is
+    supervised only where the block's gold tokens x[a+1..a+j] are the target's greedy path: the
+    engine drafts slot j only after slots < j were accepted, i.e. after a greedy prefix."""
     B, T = input_ids.shape
+    greedy = label_ids is not None
+    label_ids = input_ids if label_ids is None else label_ids
     if anchors is None:
         anchors = [sample_anchors(loss_mask[b], num_anchors, block_size, generator) for b in range(B)]
     N = max(1, max(a.numel() for a in anchors))
@@ -156,7 +164,10 @@ def make_blocks(
         keep[b, : a.numel()] = True
     parts = {k: [] for k in ("block_ids", "labels", "label_mask", "gru_ids", "mask")}
     for b in range(B):
-        labels, label_mask = block_labels(input_ids[b], loss_mask[b], padded[b], block_size)
+        labels, label_mask = block_labels(label_ids[b], loss_mask[b], padded[b], block_size)
+        if greedy:
+            gold, _ = block_labels(input_ids[b], loss_mask[b], padded[b], block_size)
+            label_mask = label_mask & greedy_prefix(gold == labels)
         parts["block_ids"].append(block_inputs(input_ids[b], padded[b], block_size, mask_token_id))
         parts["labels"].append(labels)
         parts["label_mask"].append(label_mask & keep[b, :, None])
@@ -172,6 +183,19 @@ def make_blocks(
         gru_ids=torch.stack(parts["gru_ids"]),
         attention_mask=torch.stack(parts["mask"])[:, None],
     )
+
+
+def target_label_ids(input_ids: torch.Tensor, target_next: torch.Tensor) -> torch.Tensor:
+    """input_ids [B, T], target_next [B, T] (the target's greedy token after x[..t]) -> label ids
+    [B, T]: position t should hold target_next[t-1] (position 0 keeps its own token)."""
+    return torch.cat([input_ids[:, :1], target_next[:, :-1].to(input_ids.dtype)], dim=1)
+
+
+def greedy_prefix(agree: torch.Tensor) -> torch.Tensor:
+    """agree [N, Bk] (slot j's gold token is the target's greedy one) -> ok [N, Bk]: slot j's
+    prefix x[a+1..a+j] (the gold tokens of slots < j) is greedy throughout; slot 0 always ok."""
+    ok = agree.long().cumprod(dim=1).bool()
+    return torch.cat([torch.ones_like(ok[:, :1]), ok[:, :-1]], dim=1)
 
 
 def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tensor, blocks: BlockBatch, mask=None,
@@ -351,6 +375,8 @@ __all__ = [
     "block_attention_mask",
     "flex_block_mask",
     "make_blocks",
+    "target_label_ids",
+    "greedy_prefix",
     "draft_block_logits",
     "position_weights",
     "weighted_ce",
