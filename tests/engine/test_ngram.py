@@ -6,6 +6,8 @@
   with auto-K; the prompts repeat themselves, so lookups hit and drafts are accepted (counted).
 - `ngram_assist` (a draft mode verifying prompt-lookup hits instead of drafting) equals AR too,
   with both kinds of round happening, and keeps the draft context in step with the target KV.
+  Its lookups run to `ngram_num_draft` whatever the block size, learn in their own auto-K model,
+  and stay out of the draft's acceptance by position.
 Run: python -m pytest tests/engine/test_ngram.py -q
 """
 
@@ -86,3 +88,39 @@ def test_greedy_ngram_assist_equals_ar(mode, num_draft):
         lookups += out.stats.lookup_rounds
         drafted += out.stats.draft_rounds - out.stats.lookup_rounds
     assert lookups > 10 and drafted > 10, (lookups, drafted)
+
+
+@pytest.mark.parametrize("num_draft", [None, "auto"])
+def test_assisting_lookups_run_past_the_block(num_draft):
+    """B = 4 caps the draft's chain at 3 drafts, not a lookup: on prompts that repeat, some lookup
+    round emits more than B tokens. By position counts only the draft's chains."""
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True)
+    ar = SpecEngine(target, None, "ar")
+    engine = SpecEngine(target, draft, "domino", num_draft, EngineOptions(ngram_assist=True, ngram_max=3, ngram_num_draft=7))
+    assert engine.num_draft == 3 and engine.lookup_k_max == 7 and engine.max_verify == 7
+    longest, chains, first_position = 0, 0, 0
+    for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
+        out = engine.generate(prompt, 32)
+        assert out.token_ids == ar.generate(prompt, 32).token_ids, prompt
+        longest = max([longest, *out.stats.accepted_lengths])
+        chains += out.stats.draft_rounds - out.stats.lookup_rounds
+        first_position += out.stats.position_proposed[0]
+        assert len(out.stats.position_proposed) == 3
+    assert longest > 4, longest
+    assert first_position == chains > 10  # every chain proposes a first draft; no lookup is counted
+
+
+def test_assist_keeps_separate_acceptance_for_lookups_and_chains():
+    """auto-K: a lookup round teaches the lookup model (up to 7 positions), a chain the draft's (3)."""
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True)
+    engine = SpecEngine(target, draft, "domino", "auto", EngineOptions(ngram_assist=True, ngram_max=3))
+    engine.calibrate(random_prompts(1, 8, seed=9)[0])
+    assert len(engine.cost.verify) == 8  # verify of up to 7 lookup tokens is measured too
+    out = engine.generate(repetitive_prompts(1, 8, seed=3)[0] * 2, 40)
+    lookups, chains = engine.lookup_acceptance, engine.acceptance
+    assert lookups is not chains and lookups.k_max == 7 and chains.k_max == 3
+    assert out.stats.lookup_rounds > 0 and sum(lookups.tried) > 0
+    if out.stats.draft_rounds == out.stats.lookup_rounds:  # no chain ran: the draft's model only aged
+        assert sum(chains.tried) == 0

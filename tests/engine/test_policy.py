@@ -17,6 +17,16 @@ def test_round_cost_by_k():
     assert cost.round_ms(0) == 10.0  # a plain step: no draft forward
     assert cost.round_ms(1) == 3.0 + 0.5 + 11.0
     assert cost.round_ms(3) == 3.0 + 1.5 + 14.0
+    assert cost.lookup_ms(3) == 14.0 and cost.lookup_ms(0) == 10.0  # a lookup pays the verify alone
+
+
+def test_a_lookup_pays_where_a_draft_does_not():
+    """The same acceptance, a = 0.2 at position 1: 1.2 tokens for 12.5 ms (draft) loses to a plain
+    step (1 per 10 ms), 1.2 for 10 ms (lookup) wins."""
+    survival = [0.2] + [0.0] * 6
+    assert choose_k(FLAT, survival, 7) == 0
+    assert choose_k(FLAT, survival, 7, lookup=True) == 1
+    assert expected_rates(FLAT, survival, 7, lookup=True)[1] == pytest.approx(1.2 / 10.0)
 
 
 def test_choose_k_trades_acceptance_against_cost():

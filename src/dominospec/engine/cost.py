@@ -1,7 +1,8 @@
 """Measure what a round costs on this machine, phase by phase, for auto-K (engine.policy.RoundCost).
 
-On a real prompt (prefilled once): the target forward over r = 1..K_max+1 rows with the draft's
-features (the verify of r-1 drafts; r = 1 is the plain step), the draft forward over the block with
+On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's
+features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a chain of K_max or a
+prompt lookup proposes), the draft forward over the block with
 the base logits of K_max rows, and a K_max-step chain; each `repeats` times, the phases
 interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
 the minimum is the machine's own cost, and K does not follow one descheduled sample). Greedy
@@ -30,14 +31,14 @@ REPEATS = 5
 def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = REPEATS) -> RoundCost:
     """Engine (spec mode) + prompt ids -> RoundCost (ms, minimum over `repeats`)."""
     ids = torch.tensor(prompt, device=engine.device)
-    T, K = ids.numel(), engine.num_draft
-    kv, drafter = engine._runners(T + K + 2)
+    T, K, R = ids.numel(), engine.num_draft, engine.max_verify + 1  # R: the most rows a verify has
+    kv, drafter = engine._runners(T + max(R, engine.block_size) + 1)
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
         drafter.extend(features.to(engine.draft_dtype))
-    verify = {r: [] for r in range(1, K + 2)}
+    verify = {r: [] for r in range(1, R + 1)}
     draft_ms, chain_ms = [], []
-    rows = ids[-(K + 1):].repeat(K + 1)[: K + 1]  # any real tokens will do: the cost does not depend on them
+    rows = ids.repeat(R)[:R]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
         for r in verify:

@@ -38,6 +38,10 @@ class RoundCost:
             return self.verify[0]
         return self.draft + k * self.rollout_step + self.verify[k]
 
+    def lookup_ms(self, k: int) -> float:
+        """Cost of a round verifying k prompt-lookup tokens: the verify alone (no draft forward, no chain)."""
+        return self.verify[k]
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -69,16 +73,17 @@ class AcceptanceModel:
         return out
 
 
-def expected_rates(cost: RoundCost, survival: list[float], k_max: int) -> list[float]:
-    """-> tokens per ms for K = 0..k_max: E(K) / C(K)."""
-    rates, expected = [1.0 / cost.round_ms(0)], 1.0
+def expected_rates(cost: RoundCost, survival: list[float], k_max: int, lookup: bool = False) -> list[float]:
+    """-> tokens per ms for K = 0..k_max: E(K) / C(K); C of a draft round, or of a lookup round (`lookup`)."""
+    round_ms = cost.lookup_ms if lookup else cost.round_ms
+    rates, expected = [1.0 / round_ms(0)], 1.0
     for k in range(1, k_max + 1):
         expected += survival[k - 1]
-        rates.append(expected / cost.round_ms(k))
+        rates.append(expected / round_ms(k))
     return rates
 
 
-def choose_k(cost: RoundCost, survival: list[float], k_max: int) -> int:
-    """-> the K in 0..k_max with the most expected tokens per ms."""
-    rates = expected_rates(cost, survival, k_max)
+def choose_k(cost: RoundCost, survival: list[float], k_max: int, lookup: bool = False) -> int:
+    """-> the K in 0..k_max with the most expected tokens per ms (of a lookup round when `lookup`)."""
+    rates = expected_rates(cost, survival, k_max, lookup)
     return max(range(len(rates)), key=rates.__getitem__)

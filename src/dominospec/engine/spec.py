@@ -10,6 +10,9 @@ One `SpecEngine` per (target, draft, mode):
 With `ngram_assist`, a draft-mode round whose context offers a prompt-lookup continuation
 verifies that instead (no draft forward; its target features wait in `pending` for the next
 draft forward), and drafts otherwise: lookups are free, and on copying stretches they beat the draft.
+A lookup proposes up to `ngram_num_draft` tokens whatever the block size (as the `ngram` mode
+does), and auto-K keeps two acceptance models, one for lookups and one for the draft's chains,
+each choosing its own K against its own round cost (a lookup round pays no draft forward).
 
 A round (draft modes). `start` is the position of the last committed token x_start, which has no
 target KV yet; at the start of every round the target KV holds exactly positions 0..start-1, and
@@ -17,7 +20,8 @@ the draft context plus the target features still waiting to be appended to it (`
 the same rows (invariant checked).
   0. K, the drafts to verify: fixed (`num_draft`), or chosen by auto-K (engine.policy) from the
      measured acceptance by position and the measured round cost; K = 0 is a plain target step
-     (no draft forward). Near the token budget K shrinks to what can still be emitted.
+     (no draft forward). Near the token budget K shrinks to what can still be emitted. With
+     ngram_assist a prompt-lookup hit (its own K) replaces steps 1-2.
   1. draft forward over `[x_start, MASK x (B-1)]` at positions start..start+B-1, the pending
      features appended first -> z [B, H]; base logits u = lm_head(z[:K]) [K, V], all in the draft
      path's dtype (`EngineOptions.draft_dtype`: only verification must be exact).
@@ -104,11 +108,15 @@ class SpecEngine:
         self.auto = num_draft == "auto"
         self.cost: Optional[RoundCost] = None  # auto-K: measured by `calibrate`
         self._static: Optional[tuple] = None  # (StaticTargetKV, StaticDraftBlock or None), built on first use
+        self.lookup_k_max = 0  # the most tokens a prompt lookup proposes (0: no lookups)
+        self._fresh_acceptance()
         if mode == "ar":
             return
         if mode == "ngram":
             self.block_size = options.ngram_num_draft + 1
             self._set_num_draft(num_draft, options.ngram_num_draft)
+            self.lookup_k_max = self.num_draft  # its drafts are the lookups
+            self._fresh_acceptance()
             return
         if draft is None:
             raise UserError(f"mode {mode!r} needs a draft model")
@@ -129,6 +137,8 @@ class SpecEngine:
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
+        self.lookup_k_max = options.ngram_num_draft if options.ngram_assist else 0
+        self._fresh_acceptance()
         self.layer_ids = list(draft.config.target_layer_ids)
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():
@@ -139,7 +149,21 @@ class SpecEngine:
         if num_draft is not None and not self.auto and not (isinstance(num_draft, int) and 1 <= num_draft <= limit):
             raise UserError(f"num_draft must be 'auto' or lie in 1..{limit}, got {num_draft!r}")
         self.num_draft = default if num_draft is None or self.auto else num_draft  # K_max
+
+    def _fresh_acceptance(self) -> None:
+        """Auto-K's acceptance models, empty: the draft's chains, and prompt lookups (the same
+        model in `ngram` mode, where lookups are the drafts; None without lookups)."""
         self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
+        self.lookup_acceptance: Optional[AcceptanceModel] = None
+        if self.mode == "ngram":
+            self.lookup_acceptance = self.acceptance
+        elif self.lookup_k_max:
+            self.lookup_acceptance = AcceptanceModel(self.lookup_k_max, self.options.acceptance_window)
+
+    @property
+    def max_verify(self) -> int:
+        """The most drafts one round can verify: a chain of K <= B, or a prompt lookup."""
+        return max(self.num_draft, self.lookup_k_max)
 
     def _draft_path(self, draft: DFlashDraftModel):
         """The draft (and the LM head giving its base logits) in the draft path's dtype, packed when asked.
@@ -187,7 +211,7 @@ class SpecEngine:
             self.calibrate(prompt.tolist())
         # Auto-K learns acceptance afresh in every generation: K then depends only on this
         # generation's rounds (and the fixed cost table), so a seed reproduces a sampled answer.
-        self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
+        self._fresh_acceptance()
         budget = min(max_new_tokens, self.max_positions - T)
         generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -199,7 +223,7 @@ class SpecEngine:
         drafting = self.draft is not None
 
         t_begin = self._now()
-        state = _State(*self._runners(T + budget + self.block_size + 1))
+        state = _State(*self._runners(T + budget + max(self.block_size, self.max_verify) + 1))
         stats.static_cache = isinstance(state.kv, StaticTargetKV)
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
@@ -259,21 +283,22 @@ class SpecEngine:
     # ---- one round --------------------------------------------------------------------------
 
     def _round(self, state, tokens, start, budget, sampling, generator, stats) -> tuple[int, Optional[str]]:
-        """Choose K, draft, verify, accept, crop -> (tokens committed, finish reason)."""
+        """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
-        K = min(self._choose_k(), room) if self.mode != "ar" else 0
         x_start = torch.tensor([tokens[-1]], device=self.device)
         t0 = self._now()
-        chain, drafted = None, False
-        proposal = state.index.propose(K) if state.index is not None else []
-        if self.mode == "ngram" or proposal:  # prompt lookup (ngram mode, or assist with a hit): no draft forward
-            K = len(proposal)
-            if K:
+        K, chain, drafted, lookup = 0, None, False, False
+        if state.index is not None:  # prompt lookup first (ngram mode, or assist): no draft forward
+            proposal = state.index.propose(min(self._choose_k(lookup=True), room))
+            if proposal:
+                K, lookup = len(proposal), True
                 chain = DraftChain(torch.tensor(proposal, device=self.device), None, torch.ones(K))
                 stats.lookup_rounds += self.mode != "ngram"
-        elif K > 0:
-            z, base_logits = self._draft_forward(state, x_start, start, K)
-            drafted = True
+        if not lookup and self.draft is not None:
+            K = min(self._choose_k(), room)
+            if K > 0:
+                z, base_logits = self._draft_forward(state, x_start, start, K)
+                drafted = True
         t1 = self._now()
         if drafted:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
@@ -298,20 +323,33 @@ class SpecEngine:
             state.pending.append(features[:, :m])  # the same m rows, for the draft context
         t3 = self._now()
 
-        stats.record_round(K, n, m)
+        # by position: the draft's chains (in `ngram` mode its lookups); an assisting lookup is not the draft's
+        stats.record_round(K, n, m, by_position=not (lookup and self.mode != "ngram"))
         if self.auto:
-            self.acceptance.update(K, n)
+            self._learn(K, n, lookup)
         stats.draft_s += t1 - t0
         stats.rollout_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.draft_round_s += (t3 - t0) if K > 0 else 0.0
         return m, reason
 
-    def _choose_k(self) -> int:
-        """K_max, or auto-K's choice from the measured cost and the recent acceptance."""
+    def _choose_k(self, lookup: bool = False) -> int:
+        """K_max, or auto-K's choice from the measured cost and the recent acceptance, for the
+        draft's chain or (`lookup`) for a prompt lookup."""
+        k_max = self.lookup_k_max if lookup else self.num_draft
         if not self.auto:
-            return self.num_draft
-        return choose_k(self.cost, self.acceptance.survival(), self.num_draft)
+            return k_max
+        acceptance = self.lookup_acceptance if lookup else self.acceptance
+        return choose_k(self.cost, acceptance.survival(), k_max, lookup=lookup)
+
+    def _learn(self, K: int, n: int, lookup: bool) -> None:
+        """A round that verified K drafts (a lookup's or the chain's) and accepted n -> the acceptance
+        model of what proposed them; the other one only ages (every round is one step of its window)."""
+        used = self.lookup_acceptance if lookup else self.acceptance
+        used.update(K, n)
+        for model in (self.acceptance, self.lookup_acceptance):
+            if model is not None and model is not used:
+                model.update(0, 0)
 
     def _draft_forward(self, state, x_start, start, K) -> tuple[torch.Tensor, torch.Tensor]:
         """Pending features appended, block forward -> z [K, H], base logits u [K, V] (draft dtype)."""
@@ -341,8 +379,8 @@ class SpecEngine:
         opts = self.options
         if opts.static_cache and rows <= opts.graph_capacity:
             if self._static is None:
-                kv = StaticTargetKV(self.model, self.layer_ids, opts.graph_capacity, self.block_size + 1,
-                                    graphs=opts.cuda_graphs)
+                kv = StaticTargetKV(self.model, self.layer_ids, opts.graph_capacity,
+                                    max(self.block_size, self.max_verify) + 1, graphs=opts.cuda_graphs)
                 drafter = None
                 if self.draft is not None:
                     drafter = StaticDraftBlock(self.draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,

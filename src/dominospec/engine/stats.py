@@ -24,6 +24,7 @@ class GenerationStats:
     lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
     proposed: int = 0  # draft tokens verified, over all rounds
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
+    # by position: the draft's own chains (ngram_assist's lookups left out; in `ngram` its lookups)
     position_accepted: list[int] = field(default_factory=list)  # [K_max] rounds whose draft k+1 was accepted
     position_proposed: list[int] = field(default_factory=list)  # [K_max] rounds that proposed draft k+1
     prefill_s: float = 0.0
@@ -40,12 +41,15 @@ class GenerationStats:
         self.position_accepted = self.position_accepted or [0] * self.num_draft
         self.position_proposed = self.position_proposed or [0] * self.num_draft
 
-    def record_round(self, proposed: int, accepted: int, emitted: int) -> None:
-        """One round that verified `proposed` drafts, accepted `accepted` and emitted `emitted` tokens."""
+    def record_round(self, proposed: int, accepted: int, emitted: int, by_position: bool = True) -> None:
+        """One round that verified `proposed` drafts, accepted `accepted` and emitted `emitted` tokens;
+        counted by position unless not `by_position` (an assisting prompt lookup: not the draft's)."""
         self.rounds += 1
         self.draft_rounds += proposed > 0
         self.proposed += proposed
         self.accepted_lengths.append(emitted)
+        if not by_position:
+            return
         for k in range(proposed):
             self.position_proposed[k] += 1
         for k in range(accepted):

@@ -127,7 +127,7 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
     cost, k_max = engine.cost, engine.num_draft
     survival = engine.acceptance.survival()
     over_ar = [cost.round_ms(k) / cost.round_ms(0) for k in range(k_max + 1)]
-    return {
+    record = {
         "cost_ms": cost.as_dict(),  # verify[r-1]: target forward over r rows; draft forward; one chain step
         "round_ms_by_k": [cost.round_ms(k) for k in range(k_max + 1)],
         "round_over_ar_step_by_k": over_ar,  # = the τ a round of K drafts needs to break even
@@ -135,6 +135,15 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         "acceptance_estimate_at_end": survival,  # P(>= k drafts accepted), k = 1..K_max, recent rounds
         "k_at_end": choose_k(cost, survival, k_max),
     }
+    lookups = engine.lookup_acceptance
+    if lookups is not None and lookups is not engine.acceptance:  # ngram_assist: the lookups' own model
+        survival = lookups.survival()
+        record["lookup"] = {
+            "round_over_ar_step_by_k": [cost.lookup_ms(k) / cost.round_ms(0) for k in range(engine.lookup_k_max + 1)],
+            "acceptance_estimate_at_end": survival,
+            "k_at_end": choose_k(cost, survival, engine.lookup_k_max, lookup=True),
+        }
+    return record
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,
