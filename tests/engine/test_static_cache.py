@@ -15,9 +15,11 @@ import torch
 from engine_helpers import random_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import spec as spec_module
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.graphs import ShapeGraphs
 from dominospec.engine.sampling import Sampling
+from dominospec.engine.spec import static_buckets
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
 STATIC = EngineOptions(static_cache=True, graph_capacity=96)
@@ -168,3 +170,23 @@ def test_params_switch_graphs_on_only_where_cuda_is(tmp_path):
             engine_options(dataclasses.replace(cfg, cuda_graphs="on"))
     with pytest.raises(UserError, match="engine.graph_capacity"):
         engine_options(dataclasses.replace(cfg, graph_capacity=8))
+
+
+def test_static_buckets_double_up_to_the_capacity():
+    assert static_buckets(4096) == [256, 512, 1024, 2048, 4096]
+    assert static_buckets(3000) == [256, 512, 1024, 2048, 3000]
+    assert static_buckets(96) == [96] and static_buckets(256) == [256]
+
+
+def test_a_generation_runs_on_the_smallest_bucket_that_holds_it(target, draft, monkeypatch):
+    """Short and long generations on buckets 32 / 64 / 128 give the dynamic engine's tokens, each
+    bucket built once and reused."""
+    monkeypatch.setattr(spec_module, "MIN_BUCKET", 32)
+    static = SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, graph_capacity=128, ngram_assist=True))
+    dynamic = SpecEngine(target, draft, "domino", None, EngineOptions(ngram_assist=True))
+    prompt = random_prompts(1, 8, seed=7, min_len=8, max_len=8)[0]
+    for new_tokens, bucket in ((8, 32), (40, 64), (100, 128), (8, 32)):
+        out = static.generate(prompt, new_tokens)
+        assert out.stats.static_cache and out.token_ids == dynamic.generate(prompt, new_tokens).token_ids
+        assert static._static is static._statics[bucket] and static._static[0].capacity == bucket
+    assert sorted(static._statics) == [32, 64, 128]
