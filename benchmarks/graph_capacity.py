@@ -1,0 +1,64 @@
+"""What a graph'd AR step costs by static-cache capacity, per target dtype (one GPU).
+
+A forward on the engine's static caches (engine.target_kv.StaticTargetKV) attends over every row of
+the cache, the rows past the current length masked out, so that its shape is fixed and it can
+replay as a CUDA graph. What that costs depends on the capacity. This script times the engine's
+own `ar` mode on static caches with CUDA graphs, pinned to one capacity at a time (one bucket:
+`engine.spec.MIN_BUCKET` set to it), for each dtype: the AR step in ms (verify time ÷ rounds, the
+fastest of the prompts, after a capture run).
+
+    python benchmarks/graph_capacity.py --gguf-dir DIR --prompts prompt_ids.jsonl \
+        [--capacities 256,1024,2048,4096] [--dtypes float32,bfloat16] [--new-tokens 128]
+
+--prompts: JSONL of {"prompt_ids": [...]} (the format of benchmarks/gpu_engine.py); the first
+--max-prompts are used. Prints one line per (dtype, capacity). Needs CUDA for the graphs (on CPU
+the static runners run eagerly and the numbers say nothing about graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from dominospec.config import load_params
+from dominospec.engine import SpecEngine
+from dominospec.engine import spec as spec_module
+from dominospec.engine.configure import engine_options
+from dominospec.target import load_target
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--gguf-dir", required=True, help="folder holding the target's GGUF (target.gguf_file)")
+    p.add_argument("--prompts", required=True, help="JSONL of {prompt_ids}")
+    p.add_argument("--max-prompts", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--capacities", default="256,1024,2048,4096")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    args = p.parse_args()
+
+    params = load_params(args.params)
+    lines = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line)["prompt_ids"] for line in lines][: args.max_prompts]
+    for dtype in args.dtypes.split(","):
+        target = load_target(dataclasses.replace(params.target, model=args.gguf_dir, dtype=dtype, device="auto"))
+        for capacity in map(int, args.capacities.split(",")):
+            spec_module.MIN_BUCKET = capacity  # one bucket: every generation runs on `capacity` rows
+            options = dataclasses.replace(engine_options(params.engine), static_cache=True, cuda_graphs=True,
+                                          graph_capacity=capacity)
+            engine = SpecEngine(target, None, "ar", None, options)
+            engine.generate(prompts[0], 16)  # captures the step's graph
+            step_ms = []
+            for ids in prompts:
+                out = engine.generate(ids, args.new_tokens)
+                step_ms.append(1000 * out.stats.verify_s / out.stats.rounds)
+            print(f"{dtype} capacity {capacity}: AR step {min(step_ms):.2f} ms (static cache: {out.stats.static_cache}, "
+                  f"graph failures: {len(engine.graph_failures())})", flush=True)
+        del target
+
+
+if __name__ == "__main__":
+    main()
