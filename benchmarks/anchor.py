@@ -56,8 +56,8 @@ def main() -> None:
     target_params = dataclasses.replace(params.target, **({"dtype": args.dtype} if args.dtype else {}))
     stock = load_target(target_params)  # transformers as users run it
     ours = load_target(target_params)
-    engine_cfg = prepare_target(ours, params.engine)
-    options = engine_options(engine_cfg)
+    prepare_target(ours, params.engine)
+    options = engine_options(params.engine)
     engines = {"ar": SpecEngine(ours, None, "ar"),
                "ngram": SpecEngine(ours, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, options)}
     if args.draft or args.random_draft:
@@ -123,7 +123,7 @@ def main() -> None:
 
     print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, target {target_params.dtype}, greedy, {args.prompts} prompts x "
-          f"<= {args.new_tokens} tokens, engine {dataclasses.asdict(engine_cfg)} (linear setting {params.engine.linear}), num_draft {params.evaluate.num_draft}")
+          f"<= {args.new_tokens} tokens, engine {dataclasses.asdict(params.engine)}, num_draft {params.evaluate.num_draft}")
     print("| suite | setup | tokens/s | vs hf generate | vs our ar | τ | exact vs hf | exact vs our ar |")
     print("|---|---|---|---|---|---|---|---|")
     for spec, rows in results.items():

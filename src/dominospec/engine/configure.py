@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
 
 import torch
 
 from dominospec.config import EngineParams, EvaluateParams
-from dominospec.engine.linear_choice import VERIFY_ROWS, choose_linear
 from dominospec.engine.packed import pack_linears
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.spec import EngineOptions
@@ -18,8 +15,7 @@ from dominospec.target import DTYPES, Target
 
 
 def engine_options(cfg: EngineParams) -> EngineOptions:
-    """params.engine -> EngineOptions (the draft path packed too when `linear: packed`). Pass the params
-    `prepare_target` returned: it resolves `linear: auto` (left unresolved, auto leaves the draft plain)."""
+    """params.engine -> EngineOptions (the draft path packed too when `linear: packed`)."""
     graphs = cuda_graphs(cfg)
     return EngineOptions(
         draft_dtype=DTYPES[cfg.draft_dtype] if cfg.draft_dtype else None,
@@ -61,21 +57,10 @@ def head_kernel(choice: str) -> str:
     return choice
 
 
-def prepare_target(target: Target, cfg: EngineParams) -> EngineParams:
-    """Pack the target's linears in place when `linear: packed`, or when `auto` measures packing as the
-    faster here (engine.linear_choice), before any engine is built, so the AR baseline and the
-    verify forward run the same kernels -> the engine params with `linear` resolved (packed | torch)."""
-    if cfg.linear == "packed":
-        pack_linears(target.model)
-        return cfg
-    if cfg.linear == "auto":
-        choice, timings = choose_linear(target.model)
-        if timings:
-            print("engine.linear auto: " + ", ".join(
-                f"{rows} row(s) {'packed' if timings[rows, True] < timings[rows, False] else 'plain'} "
-                f"({timings[rows, True]:.1f} packed / {timings[rows, False]:.1f} plain ms)" for rows in (1, VERIFY_ROWS)), file=sys.stderr)
-        return dataclasses.replace(cfg, linear=choice)
-    return cfg
+def prepare_target(target: Target, cfg: EngineParams) -> int:
+    """Pack the target's linears in place when `linear: packed` (before any engine is built, so the
+    AR baseline and the verify forward run the same kernels) -> how many were packed."""
+    return pack_linears(target.model) if cfg.linear == "packed" else 0
 
 
 def sampling_from(cfg: EvaluateParams) -> Sampling:

@@ -8,12 +8,7 @@ in fp32 and in bf16 (AVX-512 BF16). The arithmetic stays that of the dtype (fp32
 only the summation order differs, as it already does between MKL's GEMV and GEMM paths).
 
 `pack_linears(module)` swaps every `nn.Linear` of a module for a `PackedLinear` holding the
-packed weight (the original `weight` stays reachable, e.g. for a tied embedding).
-Whether packing pays depends on the CPU: on the 2-core EPYC the packed AR step ran 1.8× the plain
-one, on the 2-core Intel Xeon it ran slower (63-76 against 43-59 ms). `linear: auto` therefore
-measures both on the target itself (engine.linear_choice) and keeps the faster, separately for
-1-row forwards (the AR step) and for more rows (the verify); a PackedLinear can run either path on
-the same weights, so the choice needs no second copy. It is applied
+packed weight (the original `weight` stays reachable, e.g. for a tied embedding). It is applied
 to the target once, before any engine is built, so the AR baseline gets the same kernels as the
 verify forward. Only CPU tensors in fp32 / bf16 are packed; anything else (fp64 test models,
 CUDA) is left as it is.
@@ -22,7 +17,6 @@ CUDA) is left as it is.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 PACKABLE = (torch.float32, torch.bfloat16)
@@ -52,16 +46,8 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.to(dtype)
         return cls(linear.weight.to(dtype), bias)
 
-    # Which path runs, by the rows of the input: packed (oneDNN) or the plain `F.linear` on the original
-    # weight. `linear: auto` sets each from a measurement (engine.linear_choice).
-    packed_one_row = True  # the AR step, and every 1-row forward
-    packed_rows = True  # verify, prefill: more than one row
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
-        packed = self.packed_rows if x.numel() > x.shape[-1] else self.packed_one_row
-        if not packed:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -92,30 +78,3 @@ def linear_for(linear: nn.Module, dtype: torch.dtype, packed: bool) -> nn.Module
         if bias is not None:
             out.bias.copy_(bias)
     return out.requires_grad_(False)
-
-
-def set_packed(module: nn.Module, one_row: bool, rows: bool) -> int:
-    """Switch every PackedLinear inside `module` to the packed (True) or the plain path, for 1-row
-    inputs and for inputs of more rows -> how many layers."""
-    layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
-    for layer in layers:
-        layer.packed_one_row, layer.packed_rows = one_row, rows
-    return len(layers)
-
-
-def unpack_linears(module: nn.Module) -> int:
-    """Swap every PackedLinear inside `module` (in place) back for an nn.Linear on its original weight
-    (storage shared, so a tied embedding stays tied) -> how many were swapped."""
-    swapped = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, PackedLinear):
-            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                               device=child.weight.device, dtype=child.weight.dtype)
-            linear.weight = nn.Parameter(child.weight, requires_grad=False)
-            if child.bias is not None:
-                linear.bias = nn.Parameter(child.bias, requires_grad=False)
-            setattr(module, name, linear)
-            swapped += 1
-        else:
-            swapped += unpack_linears(child)
-    return swapped

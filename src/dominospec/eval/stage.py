@@ -60,8 +60,8 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     target = load_target(params.target)
     source = draft_dir(params.paths)
     draft = load_draft(source, target)
-    engine_cfg = prepare_target(target, params.engine)  # linear: auto resolved here
-    options = engine_options(engine_cfg)
+    prepare_target(target, params.engine)
+    options = engine_options(params.engine)
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
     ngram_k = cfg.num_draft if cfg.num_draft == "auto" else None  # else params.engine.ngram_num_draft
     engines = {"ar": SpecEngine(target, None, "ar"), NGRAM: SpecEngine(target, None, NGRAM, ngram_k, options),
@@ -89,7 +89,7 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
         "block_size": int(draft.config.block_size),
         "num_draft": engines[spec_mode].num_draft,  # K_max (auto-K chooses 0..K_max each round)
         "num_draft_setting": cfg.num_draft,
-        "engine": {**dataclasses.asdict(engine_cfg), "linear_setting": params.engine.linear},  # linear: as resolved
+        "engine": dataclasses.asdict(params.engine),
         "auto_k": {mode: auto_k_record(engine) for mode, engine in engines.items() if engine.auto},
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
