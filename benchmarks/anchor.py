@@ -6,6 +6,8 @@ For the first N prompts of each suite, greedy, 2 threads, every setup runs promp
     hf prompt lookup   `model.generate(ids, max_new_tokens, prompt_lookup_num_tokens=7)`, same stock copy
     ar / ngram / domino  our engine on its own copy prepared by params `engine:` (packed linears, bf16 draft,
                        pool, `evaluate.num_draft`); domino only with --draft DIR or --random-draft
+    ... plain          with --plain-too: the same three on the stock copy (`engine.linear: torch`), so one
+                       run says which linear kernels serve each mode best on this machine
 
 Reports per suite and setup: tokens/s (new tokens ÷ wall time, prefill included), speed-up over hf
 generate and over our ar, τ (our modes), exact match with hf generate and with our ar, and for our
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--random-draft", action="store_true")
     parser.add_argument("--suites", default="sharegpt,humaneval")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--plain-too", action="store_true",
+                        help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
     args = parser.parse_args()
 
     params = load_params(args.params)
@@ -69,6 +73,13 @@ def main() -> None:
         else:
             draft = load_draft(args.draft, ours)
         engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
+    if args.plain_too:  # the same modes on the stock target (nn.Linear as loaded), the draft path unpacked too
+        plain = dataclasses.replace(options, packed=False)
+        engines["ar plain"] = SpecEngine(stock, None, "ar")
+        engines["ngram plain"] = SpecEngine(stock, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, plain)
+        if "domino" in engines:
+            engines["domino plain"] = SpecEngine(stock, load_draft(args.draft, stock) if args.draft else draft, "domino",
+                                                 params.evaluate.num_draft, plain)
     stops = list(engines["ar"].stop_ids)
 
     def hf(ids: list[int], lookup: bool) -> tuple[list[int], float]:
@@ -105,7 +116,7 @@ def main() -> None:
         for mode in engines:
             gens = [r[mode] for r in runs]
             tps = sum(g.stats.new_tokens for g in gens) / sum(g.stats.total_s for g in gens)
-            ar_tps = tps if mode == "ar" else ar_tps
+            ar_tps = tps if mode in ("ar", "ar plain") else ar_tps  # each set against its own AR
             rounds = sum(g.stats.rounds for g in gens)
             rows[mode] = {"tokens_per_s": tps, "speedup_vs_hf": tps / base, "speedup_vs_ar": tps / ar_tps,
                           "tau": sum(g.stats.round_tokens for g in gens) / rounds,
