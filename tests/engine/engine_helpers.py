@@ -75,3 +75,12 @@ def random_prompts(n: int, vocab: int, seed: int, min_len: int = 2, max_len: int
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]
+
+
+def streaming_cost(k_max: int, step_ms: float = 10.0) -> "RoundCost":
+    """A fixed round-cost table of a weight-streaming machine: a verify of up to k_max + 1 rows costs
+    one step, the draft forward a fifth of one, a chain step a fiftieth. Auto-K's choices then follow
+    the acceptance alone, not the timing of whatever machine runs the test."""
+    from dominospec.engine.policy import RoundCost
+
+    return RoundCost(verify=[step_ms] * (k_max + 1), draft=step_ms / 5, rollout_step=step_ms / 50)

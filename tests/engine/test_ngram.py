@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import random_prompts, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.ngram import NgramIndex
@@ -62,6 +62,7 @@ def test_greedy_ngram_equals_ar(arch, vocab, dtype, num_draft):
     target = tiny_target(arch, vocab=vocab, dtype=dtype, scale=0.2)
     ar = SpecEngine(target, None, "ar")
     engine = SpecEngine(target, None, "ngram", num_draft, EngineOptions(ngram_max=3))
+    engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     accepted = lookups = 0
     for prompt in repetitive_prompts(10, vocab, seed=vocab) + random_prompts(4, vocab, seed=1):
         expected = ar.generate(prompt, 24).token_ids
@@ -80,6 +81,7 @@ def test_greedy_ngram_assist_equals_ar(mode, num_draft):
     draft = tiny_draft(target, block_size=4, head=True)
     ar = SpecEngine(target, None, "ar")
     engine = SpecEngine(target, draft, mode, num_draft, EngineOptions(ngram_assist=True, ngram_max=3))
+    engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     lookups = drafted = 0
     for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
         out = engine.generate(prompt, 24)
@@ -99,6 +101,7 @@ def test_assisting_lookups_run_past_the_block(num_draft):
     ar = SpecEngine(target, None, "ar")
     engine = SpecEngine(target, draft, "domino", num_draft, EngineOptions(ngram_assist=True, ngram_max=3, ngram_num_draft=7))
     assert engine.num_draft == 3 and engine.lookup_k_max == 7 and engine.max_verify == 7
+    engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     longest, chains, first_position = 0, 0, 0
     for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
         out = engine.generate(prompt, 32)
