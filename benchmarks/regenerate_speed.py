@@ -5,7 +5,13 @@ by first-prompt length as the stage sorts them) go through every configuration, 
 interleave the configurations, so all see the same machine load.
 
     python benchmarks/regenerate_speed.py --params params.yaml [--conversations 64] \
-        [--max-new-tokens 256] [--configs bfloat16:8,bfloat16:32] [--hf-generate 8] [--rounds 1] [--threads 2]
+        [--max-new-tokens 256] [--configs bfloat16:64:packed:16,bfloat16:64:torch:all] [--hf-generate 8] \
+        [--rounds 1] [--threads 2]
+
+A config is `dtype:batch[:linear[:group]]`: linear `packed` (the stage's `regenerate.linear`, the
+default) or `torch`; group = slots per KV group (`kv_batch.GROUP_SLOTS`, the default) or `all` (one
+buffer for the whole batch, as before the groups). Conversations are cut to `regenerate.max_turns`
+as the stage cuts them.
 
 `--hf-generate B` adds the previous implementation (HF `generate` per turn, left-padded batches
 of B, every turn re-rendered and recomputed, fp32). Prints one JSON line per measurement and a
@@ -27,7 +33,9 @@ import torch
 def main() -> None:
     from dominospec.config import load_params
     from dominospec.data.dataset import read_dataset
-    from dominospec.data.regenerate import length_sorted_chunks
+    from dominospec.data import kv_batch
+    from dominospec.data.regenerate import first_turns, length_sorted_chunks
+    from dominospec.engine.packed import pack_linears
     from dominospec.data.replies import rewrite_conversations
     from dominospec.target import DTYPES, load_target
 
@@ -47,33 +55,42 @@ def main() -> None:
     target = load_target(params.target)
     train, max_length = splits["train"], int(meta["max_length"])
     count = min(args.conversations, len(train))
-    models = {"float32": target.model}
-    configs = [(d, int(b)) for d, b in (c.split(":") for c in args.configs.split(","))]
-    for dtype, _ in configs:
-        if dtype not in models:
-            models[dtype] = copy.deepcopy(target.model).to(DTYPES[dtype])
+    configs = []
+    for spec in args.configs.split(","):
+        dtype, batch, *rest = spec.split(":")
+        linear = rest[0] if rest else "packed"
+        group = rest[1] if len(rest) > 1 else str(kv_batch.GROUP_SLOTS)
+        configs.append((dtype, int(batch), linear, 1 << 30 if group == "all" else int(group)))
+    models = {}
+    for dtype, _, linear, _ in configs:
+        if (dtype, linear) not in models:
+            models[dtype, linear] = copy.deepcopy(target.model).to(DTYPES[dtype])
+            if linear == "packed":
+                pack_linears(models[dtype, linear])
+    default_group = kv_batch.GROUP_SLOTS
     runs: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
-        for dtype, batch in configs + ([("hf_generate", args.hf_generate)] if args.hf_generate else []):
+        for dtype, batch, linear, group in configs + ([("hf_generate", args.hf_generate, "torch", 0)] if args.hf_generate else []):
             cfg = dataclasses.replace(params.regenerate, max_new_tokens=args.max_new_tokens, batch_size=batch,
                                       dtype=dtype if dtype != "hf_generate" else "float32")  # fmt: skip
             chunks = length_sorted_chunks(target.tokenizer, train, count, batch)
+            kv_batch.GROUP_SLOTS = group or default_group
             tokens, tick = 0, time.perf_counter()
             for rows in chunks:
-                conversations = [train[i]["messages"] for i in rows]
+                conversations = [first_turns(train[i]["messages"], cfg.max_turns) for i in rows]
                 if dtype == "hf_generate":
                     tokens += hf_generate_rewrite(target, conversations, cfg, max_length)
                 else:
-                    run_target = dataclasses.replace(target, model=models[dtype])
+                    run_target = dataclasses.replace(target, model=models[dtype, linear])
                     done = rewrite_conversations(run_target, conversations, cfg, max_length, torch.Generator().manual_seed(0))
                     tokens += sum(r.generated_tokens for r in done)
             seconds = time.perf_counter() - tick
-            name = f"{dtype}:{batch}"
+            name = f"{dtype}:{batch}" if dtype == "hf_generate" else f"{dtype}:{batch}:{linear}:{'all' if group > 4096 else group}"
             runs.setdefault(name, []).append(tokens / seconds)
             print(json.dumps({"config": name, "round": round_, "conversations": count, "tokens": tokens,
                               "seconds": round(seconds, 1), "tokens_per_second": round(tokens / seconds, 1)}), flush=True)  # fmt: skip
     base = statistics.median(runs[f"hf_generate:{args.hf_generate}"]) if args.hf_generate else None
-    print("\n| config (dtype:batch) | tokens/s | × HF generate |\n|---|---|---|")
+    print("\n| config (dtype:batch:linear:group) | tokens/s | × HF generate |\n|---|---|---|")
     for name, rates in runs.items():
         ratio = f"{statistics.median(rates) / base:.1f}×" if base else "—"
         print(f"| {name} | {statistics.median(rates):.0f} | {ratio} |")

@@ -83,6 +83,7 @@ class RegenerateParams:
     batch_size: int
     seed: int
     dtype: Literal["float32", "bfloat16", "float16"]  # regeneration compute dtype (the target is cast to it)
+    linear: Literal["packed", "torch"]  # packed: the target's linears pre-packed for oneDNN (CPU fp32/bf16)
     loop_ngram: Optional[int]  # None/0: keep repetition loops; n: cut a reply once an n-gram recurs
     loop_repeats: int  # ... `loop_repeats` times (>= 2); the reply keeps one copy of the loop
     num_threads: Optional[int]  # torch CPU threads while regenerating; null = torch's default

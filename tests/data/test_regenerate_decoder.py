@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dominospec.config import load_params
 from dominospec.data.chat import render_text
 from dominospec.data.decoder import DecodePolicy, ReplyStream, next_tokens
+from dominospec.data import decoder, kv_batch
 from dominospec.data.kv_batch import SlotKV, grouped_attention_on
 from dominospec.data.loops import LoopDetector
 from dominospec.data.replies import decode_policy, rewrite_conversations
@@ -69,16 +70,26 @@ def _run(stream: ReplyStream) -> dict:
     return done
 
 
-def test_batched_greedy_replies_equal_hf_generate(tiny_llama):
+@pytest.mark.parametrize("group_slots, prefill_tokens", [(2, 1024), (16, 1024), (2, 20)])
+def test_batched_greedy_replies_equal_hf_generate(tiny_llama, group_slots, prefill_tokens, monkeypatch):
+    """First turns are prefilled packed (several per forward, <= PREFILL_TOKENS; the 31-token prompt
+    alone in chunks when that is 20), then decoded in groups of slots."""
+    monkeypatch.setattr(decoder, "PREFILL_TOKENS", prefill_tokens)
+    packs = []
+    pack_once = ReplyStream._prefill_pack
+    monkeypatch.setattr(ReplyStream, "_prefill_pack", lambda self, pack: (packs.append([len(t) for _, t in pack]),
+                                                                          pack_once(self, pack)))
     torch.manual_seed(1)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (5, 31, 1, 12, 18)]
     budgets = [12, 20, 7, 1, 30]
-    kv = SlotKV(2, len(prompts), capacity=4)  # small: the buffers must grow while decoding
-    with grouped_attention_on(tiny_llama):
+    kv = SlotKV(2, len(prompts), capacity=4, group_slots=group_slots)  # small: the buffers must grow while decoding
+    with grouped_attention_on(tiny_llama, kv):
         stream = ReplyStream(tiny_llama, kv, DecodePolicy(stop_ids=(STOP,)))
         for key, (prompt, budget) in enumerate(zip(prompts, budgets)):
             stream.start(key, prompt, budget)
         replies = _run(stream)
+    assert all(sum(p) <= prefill_tokens for p in packs) and max(map(len, packs)) >= 2
+    assert sorted(n for p in packs for n in p) == sorted(n for n in (5, 31, 1, 12, 18) if n <= prefill_tokens)
     assert tiny_llama.config._attn_implementation == "sdpa"  # the switch is undone
     for key, (prompt, budget) in enumerate(zip(prompts, budgets)):
         with torch.no_grad():
@@ -95,8 +106,9 @@ def test_slots_continue_after_others_end(tiny_llama):
     torch.manual_seed(2)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (3, 9, 6)]
     extra = {0: [11, 12], 2: [17]}
-    with grouped_attention_on(tiny_llama):
-        stream = ReplyStream(tiny_llama, SlotKV(2, 3), DecodePolicy(stop_ids=(STOP,)))
+    kv = SlotKV(2, 3, group_slots=2)  # slots 0, 1 | 2: the compaction regroups across groups
+    with grouped_attention_on(tiny_llama, kv):
+        stream = ReplyStream(tiny_llama, kv, DecodePolicy(stop_ids=(STOP,)))
         for key, prompt in enumerate(prompts):
             stream.start(key, prompt, 5)
         first = _run(stream)
@@ -148,8 +160,9 @@ def _reference_rewrite(target, conversation, cfg, max_length):
 
 
 @pytest.mark.parametrize("loop_ngram", [None, 2])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_multi_turn_greedy_equals_full_recompute(tiny_target, batch_size, loop_ngram):
+@pytest.mark.parametrize("batch_size, group_slots", [(1, 16), (4, 16), (4, 2)])
+def test_multi_turn_greedy_equals_full_recompute(tiny_target, batch_size, group_slots, loop_ngram, monkeypatch):
+    monkeypatch.setattr(kv_batch, "GROUP_SLOTS", group_slots)
     cfg = dataclasses.replace(load_params(REPO / "params.yaml").regenerate, max_new_tokens=24, temperature=0.0,
                               dtype="float32", loop_ngram=loop_ngram, loop_repeats=2)  # fmt: skip
     conversations, max_length = _conversations(), 160
@@ -195,3 +208,43 @@ def test_regenerate_dtype_is_checked_by_the_typed_config(tmp_path):
 
     with pytest.raises(ParamsError, match="regenerate.dtype"):
         load_params(write_params(tmp_path / "p.yaml", tmp_path, regenerate={"dtype": "float8"}))
+
+
+def _prefilled(lengths: list[int], group_slots: int) -> SlotKV:
+    """A 1-layer SlotKV whose slot s holds lengths[s] columns of value s + column / 1000."""
+    kv = SlotKV(1, len(lengths), capacity=4, group_slots=group_slots)
+    for s, n in enumerate(lengths):
+        kv.prefill_slot(s, n, torch.float32)
+        states = (s + torch.arange(n) / 1000).reshape(1, 1, n, 1).expand(1, 2, n, 3).contiguous()  # [1, kv=2, n, d=3]
+        kv.update(states, -states, 0)
+        kv.advance(torch.tensor([s]), n)
+    kv._slot = None
+    return kv
+
+
+def test_each_group_is_as_wide_as_its_own_longest_slot():
+    kv = _prefilled([3, 5, 100, 120, 7], group_slots=2)  # groups: slots 0-1 | 2-3 | 4
+    kv.decode_all(torch.float32)
+    assert kv.capacities == [64, 128, 64] and kv.capacity == 128
+    assert [tuple(k.shape) for k in kv.keys[0]] == [(2, 2, 64, 3), (2, 2, 128, 3), (1, 2, 64, 3)]
+
+
+def test_keep_regroups_the_slots_it_keeps_with_their_tokens():
+    lengths = [3, 5, 100, 120, 7]
+    kv = _prefilled(lengths, group_slots=2)
+    kv.keep([4, 0, 2])  # new slots 0, 1 | 2 = old 4, 0 | 2
+    assert kv.lengths.tolist() == [7, 3, 100] and kv.capacities == [64, 128]
+    for new, old in enumerate([4, 0, 2]):
+        g, row = divmod(new, 2)
+        n = lengths[old]
+        want = (old + torch.arange(n) / 1000)[None, :].expand(2, n)  # [kv, n]
+        assert torch.equal(kv.keys[0][g][row, :, :n, 0], want) and torch.equal(kv.values[0][g][row, :, :n, 2], -want)
+
+
+def test_decoding_outside_grouped_attention_is_refused(tiny_llama):
+    kv = SlotKV(2, 2, group_slots=2)
+    stream = ReplyStream(tiny_llama, kv, DecodePolicy(stop_ids=(STOP,)))
+    with grouped_attention_on(tiny_llama, kv):
+        stream.start(0, [5, 6, 7], 4)
+    with pytest.raises(RuntimeError, match="grouped_attention_on"):
+        stream.step()

@@ -6,16 +6,18 @@
     stream.end(key)                          # the key is done: its slot is dropped (soon)
 
 A key (a conversation) owns one slot of `SlotKV` for its life, so its next reply continues from
-its cache. `start` prefills only the slot's new tokens, in chunks of <= `PREFILL_TOKENS` (no
-padding; batch 1); `step` picks the next token of every running reply from the last logits
+its cache. A new key's first tokens wait for the next `step`, which prefills all waiting ones
+together, packed into sequences of <= `PREFILL_TOKENS` (no padding); a later reply's new tokens
+are prefilled at once on their own, in chunks of <= `PREFILL_TOKENS` (batch 1). `step` picks the next token of every running reply from the last logits
 ([S, V]: greedy when `policy.temperature == 0`, else temperature then top_p, HF's order, drawn
 from `generator`), ends the replies that hit a stop token, their budget, or a repetition loop
 (`loops.py`), and feeds the others' tokens in one forward of all slots. Slots of ended keys
 are dropped once they are an eighth of the batch, so they soon stop costing compute.
 
-Prefill runs per slot on purpose: on the 2-core CPU a right-aligned batched prefill spent most
-of its time on padding (ShareGPT prompt lengths vary 10×). On a GPU, with many short first
-turns, these serial batch-1 forwards are launch-bound; a batched first-turn prefill would help there.
+Why packed. A batch-1 prefill of a ~100-token first turn runs the linear layers at ~400 GFLOP/s
+on the 2-core Xeon, 1,024 packed rows at ~700, and the fixed cost of a forward is paid once per
+pack instead of once per conversation; a right-aligned padded batch would instead spend most of its
+time on padding (ShareGPT prompt lengths vary 10×).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class ReplyStream:
         self.slot_of: dict[Hashable, int] = {}
         self.running: dict[int, _Running] = {}  # slot -> its reply in progress
         self.logits: Optional[torch.Tensor] = None  # [S, V] next-token logits of each running slot
+        self.waiting: dict[Hashable, list[int]] = {}  # new key -> its first tokens, prefilled at the next step
 
     def start(self, key: Hashable, new_tokens: list[int], budget: int) -> None:
         """Append `new_tokens` to the key's slot (a free one for a new key) and begin a reply of <= `budget` tokens."""
@@ -84,18 +87,49 @@ class ReplyStream:
             self.keys[slot] = key
             self.kv.clear(slot)
         slot = self.slot_of[key]
+        self.running[slot] = _Running(budget, LoopDetector(self.policy.loop_ngram, self.policy.loop_repeats))
+        if int(self.kv.lengths[slot]) == 0 and len(new_tokens) <= PREFILL_TOKENS:
+            self.waiting[key] = new_tokens  # prefilled with the other new keys at the next step
+            return
         for start in range(0, len(new_tokens), PREFILL_TOKENS):
             chunk = torch.tensor(new_tokens[start : start + PREFILL_TOKENS], dtype=torch.long)[None, :]  # [1, q]
             positions, mask = self.kv.prefill_slot(slot, chunk.shape[1], self.dtype)
-            logits = self._forward(chunk, positions, mask)  # [1, V]
+            logits = self._forward(chunk, positions, mask, [chunk.shape[1] - 1])[0]  # [1, V]
             self.kv.advance(torch.tensor([slot]), chunk.shape[1])
+        self._set_logits([slot], logits)
+
+    def _prefill_waiting(self) -> None:
+        """Prefill the waiting new keys' first tokens, packed into forwards of <= PREFILL_TOKENS tokens."""
+        pack: list[tuple[int, list[int]]] = []
+        for key, tokens in self.waiting.items():
+            if pack and sum(len(t) for _, t in pack) + len(tokens) > PREFILL_TOKENS:
+                self._prefill_pack(pack)
+                pack = []
+            pack.append((self.slot_of[key], tokens))
+        if pack:
+            self._prefill_pack(pack)
+        self.waiting.clear()
+
+    def _prefill_pack(self, pack: list[tuple[int, list[int]]]) -> None:
+        """(empty slot, its first tokens) pairs -> one forward of the packed sequence [1, Q]."""
+        slots, lengths = [s for s, _ in pack], [len(t) for _, t in pack]
+        ids = torch.tensor([t for _, tokens in pack for t in tokens], dtype=torch.long)[None, :]  # [1, Q]
+        positions, mask = self.kv.prefill_packed(slots, lengths, self.dtype)
+        ends = (torch.tensor(lengths).cumsum(0) - 1).tolist()  # each segment's last column
+        logits = self._forward(ids, positions, mask, ends)[0]  # [n, V]
+        self.kv.advance(torch.tensor(slots), torch.tensor(lengths))
+        self._set_logits(slots, logits)
+
+    def _set_logits(self, slots: list[int], logits: torch.Tensor) -> None:
+        """Next-token logits [n, V] of `slots` (after their prefill)."""
         if self.logits is None:
             self.logits = logits.new_zeros(self.kv.slots, logits.shape[1])
-        self.logits[slot] = logits[0]
-        self.running[slot] = _Running(budget, LoopDetector(self.policy.loop_ngram, self.policy.loop_repeats))
+        self.logits[torch.tensor(slots, device=logits.device)] = logits
 
     def step(self) -> list[tuple[Hashable, Reply]]:
         """One token for every running reply -> the replies that finished, with their keys."""
+        if self.waiting:
+            self._prefill_waiting()
         slots = sorted(self.running)
         if not slots:
             return []
@@ -114,7 +148,7 @@ class ReplyStream:
             for slot, token in going:
                 ids[slot, 0] = token
             positions, mask = self.kv.decode_all(self.dtype)
-            logits = self._forward(ids, positions, mask)  # [S, V]
+            logits = self._forward(ids, positions, mask, [0])[:, 0]  # [S, V]
             index = torch.tensor([s for s, _ in going])
             self.logits[index.to(self.device)] = logits[index.to(self.device)]
             self.kv.advance(index, 1)  # idle slots wrote a column past their length: overwritten later
@@ -157,16 +191,16 @@ class ReplyStream:
             tokens, unfed = run.tokens, run.tokens[-1:]
         return Reply(tokens=tokens, generated=len(run.tokens), stopped=stopped, loop_cut=cut is not None, unfed=unfed)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """ids [R, q] -> logits of the last column [R, V] (float32, on the model's device)."""
-        last = torch.tensor([ids.shape[1] - 1], device=self.device)  # an index, not `1`: HF's `[:, -1:]` slice is
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, columns: list[int]) -> torch.Tensor:
+        """ids [R, q] -> logits of `columns` [R, k, V] (float32, on the model's device)."""
+        keep = torch.tensor(columns, device=self.device)  # indices, not an int: HF's `[:, -1:]` slice is
         # a strided view, and a bf16 lm_head on it expands the [V, H] weight per row on CPU
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device), cache=self.kv, use_cache=True, logits_to_keep=last,
+                position_ids=positions.to(self.device), cache=self.kv, use_cache=True, logits_to_keep=keep,
             )  # fmt: skip
-        return out.logits[:, -1].float()
+        return out.logits.float()
 
 
 def next_tokens(logits: torch.Tensor, policy: DecodePolicy, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -41,6 +41,7 @@ from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.data.journal import Journal
 from dominospec.data.replies import first_prompt_length, rewrite_conversations
+from dominospec.engine.packed import pack_linears
 from dominospec.files import replace_path, temp_sibling, write_json
 from dominospec.target import DTYPES, Target, load_target
 
@@ -69,6 +70,8 @@ def regenerate(params: Params) -> None:
             "re-run the prepare stage"
         )
     target.model.to(DTYPES[cfg.dtype])
+    if cfg.linear == "packed":
+        pack_linears(target.model)  # CPU fp32/bf16 only; anything else is left as loaded
     max_length = int(meta["max_length"])
     mask_token_id = int(meta["mask_token_id"])
     out, report = dict(splits), {}
@@ -107,6 +110,7 @@ def regenerate(params: Params) -> None:
             "max_new_tokens": cfg.max_new_tokens,
             "batch_size": cfg.batch_size,
             "dtype": cfg.dtype,
+            "linear": cfg.linear,
             "loop_ngram": cfg.loop_ngram or None,
             "torch_threads": torch.get_num_threads(),
             "seconds": round(time.perf_counter() - started, 2),

@@ -85,7 +85,7 @@ def rewrite_conversations(
         context.text, budgets[i] = text, min(cfg.max_new_tokens, room)
         stream.start(i, new, budgets[i])
 
-    with grouped_attention_on(target.model):
+    with grouped_attention_on(target.model, kv):
         for i in range(len(conversations)):
             next_turn(i)
         while stream.running:
