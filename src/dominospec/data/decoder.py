@@ -101,11 +101,13 @@ class ReplyStream:
     def _prefill_waiting(self) -> None:
         """Prefill the waiting new keys' first tokens, packed into forwards of <= PREFILL_TOKENS tokens."""
         pack: list[tuple[int, list[int]]] = []
+        packed = 0  # tokens in `pack`
         for key, tokens in self.waiting.items():
-            if pack and sum(len(t) for _, t in pack) + len(tokens) > PREFILL_TOKENS:
+            if pack and packed + len(tokens) > PREFILL_TOKENS:
                 self._prefill_pack(pack)
-                pack = []
+                pack, packed = [], 0
             pack.append((self.slot_of[key], tokens))
+            packed += len(tokens)
         if pack:
             self._prefill_pack(pack)
         self.waiting.clear()
