@@ -7,6 +7,7 @@ multi-turn conversations against a loop that recomputes the full context for eve
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -99,6 +100,33 @@ def test_batched_greedy_replies_equal_hf_generate(tiny_llama, group_slots, prefi
         assert reply.tokens + [STOP] * reply.stopped == ref
         assert reply.generated == len(ref) and reply.unfed == ([] if reply.stopped else ref[-1:])
         assert stream.context_length(key) == len(prompt) + len(ref) - 1  # every token but the last picked one
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_replies_on_the_models_device(tiny_llama, device):
+    """The slots' buffers and the per-group decoding masks live on the model's device (CUDA runs it on a
+    GPU machine; its default group is wider): replies equal HF `generate` there."""
+    model = copy.deepcopy(tiny_llama).to(device)
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (7, 19, 2, 40, 11, 5)]
+    kv = SlotKV(2, len(prompts), capacity=4, device=device)
+    assert kv.group_slots == (kv_batch.GROUP_SLOTS_CUDA if device == "cuda" else kv_batch.GROUP_SLOTS)
+    with grouped_attention_on(model, kv):
+        stream = ReplyStream(model, kv, DecodePolicy(stop_ids=(STOP,)))
+        for key, prompt in enumerate(prompts):
+            stream.start(key, prompt, 16)
+        stream.step()
+        assert {m.device.type for *_, m in kv.layer_groups(0)} == {torch.device(device).type}
+        replies = {key: reply for key, reply in stream.step()}
+        replies.update(_run(stream))
+    for key, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=STOP, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+        assert replies[key].tokens + [STOP] * replies[key].stopped == ref
 
 
 def test_slots_continue_after_others_end(tiny_llama):

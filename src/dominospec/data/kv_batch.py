@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache
 ATTENTION = "dominospec_grouped"
 GROW = 64  # C_g grows in steps of this many columns; a growth copies that group's buffer once
 GROUP_SLOTS = 16  # slots per group: four groups at the default 64 slots (each group costs its own attention ops)
+GROUP_SLOTS_CUDA = 128  # on a GPU a group's ops cost launches, not columns read: 8 groups at a batch of 1,024
 _DECODING: ContextVar[Optional["SlotKV"]] = ContextVar("dominospec_slot_kv", default=None)
 
 
@@ -49,10 +50,11 @@ class SlotKV(Cache):
     """S slots of keys and values in groups (see the module doc); an HF `Cache` for the model's forward."""
 
     def __init__(self, num_layers: int, slots: int, capacity: int = 256, limit: int | None = None,
-                 group_slots: int | None = None):  # fmt: skip
+                 group_slots: int | None = None, device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(layers=[])
         self.num_layers, self.limit = num_layers, limit  # limit: C_g never grows past it
-        self.group_slots = group_slots or GROUP_SLOTS
+        self.device = torch.device(device)  # the model's: the decoding masks the attention reads live there
+        self.group_slots = group_slots or (GROUP_SLOTS_CUDA if self.device.type == "cuda" else GROUP_SLOTS)
         self.lengths = torch.zeros(slots, dtype=torch.long)  # [S]
         self.capacities = [capacity] * self.num_groups  # C_g per group
         self.keys: list[list[torch.Tensor | None]] = [[None] * self.num_groups for _ in range(num_layers)]
@@ -114,7 +116,7 @@ class SlotKV(Cache):
             first, end = self.group_range(g)
             self._reserve(g, int(self.lengths[first:end].max()) + 1)
             allowed = torch.arange(self.capacities[g])[None, :] <= self.lengths[first:end, None]  # [n_g, C_g]
-            self._masks.append(_additive(allowed[:, None, None, :], dtype))
+            self._masks.append(_additive(allowed[:, None, None, :], dtype).to(self.device))
         allowed = torch.arange(self.capacity)[None, :] <= self.lengths[:, None]  # [S, C]
         return self.lengths[:, None].clone(), _additive(allowed[:, None, None, :], dtype)
 
@@ -174,6 +176,16 @@ class SlotKV(Cache):
         for g in range(self.num_groups):
             first, end = self.group_range(g)
             self.capacities.append(self._fit(int(self.lengths[first:end].max()) + 1 if end > first else 1))
+        # new group g <- per old group o: (its rows in g, their rows in o); one gather each, not one per slot
+        sources: list[dict[int, tuple[list[int], list[int]]]] = []
+        for g in range(self.num_groups):
+            first, end = self.group_range(g)
+            by_old: dict[int, tuple[list[int], list[int]]] = {}
+            for row, s in enumerate(slots[first:end]):
+                rows, old_rows = by_old.setdefault(s // old_group, ([], []))
+                rows.append(row)
+                old_rows.append(s % old_group)
+            sources.append(by_old)
         for store in (self.keys, self.values):
             for layer, buffers in enumerate(store):
                 like = next((b for b in buffers if b is not None), None)
@@ -181,14 +193,15 @@ class SlotKV(Cache):
                     store[layer] = [None] * self.num_groups
                     continue
                 regrouped = []
-                for g in range(self.num_groups):
+                for g, by_old in enumerate(sources):
                     first, end = self.group_range(g)
                     new = like.new_zeros(end - first, like.shape[1], self.capacities[g], like.shape[3])
-                    for row, s in enumerate(slots[first:end]):
-                        old = buffers[s // old_group]  # None: that group never held a token
+                    for o, (rows, old_rows) in by_old.items():
+                        old = buffers[o]  # None: that group never held a token
                         if old is not None:
                             width = min(self.capacities[g], old.shape[2])
-                            new[row, :, :width] = old[s % old_group, :, :width]
+                            new[torch.tensor(rows, device=new.device), :, :width] = \
+                                old[torch.tensor(old_rows, device=old.device), :, :width]
                     regrouped.append(new)
                 store[layer] = regrouped
 

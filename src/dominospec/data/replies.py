@@ -62,7 +62,7 @@ def rewrite_conversations(
     contexts = [_Context() for _ in conversations]
     cursor = [0] * len(conversations)  # index of the next unread source message
     budgets = [0] * len(conversations)
-    kv = SlotKV(target.num_layers, len(conversations), capacity=64, limit=max_length + 1)
+    kv = SlotKV(target.num_layers, len(conversations), capacity=64, limit=max_length + 1, device=target.device)
     stream = ReplyStream(target.model, kv, decode_policy(target, cfg), generator, on_tokens)
 
     def next_turn(i: int) -> None:

@@ -1,0 +1,186 @@
+"""A GPU preset's whole pipeline on a machine without dvc, the hub or the packaged ShareGPT file.
+
+The stages are the pipeline's own functions (prepare -> regenerate -> train -> export -> evaluate),
+run in order with the preset's params, so what is measured is what `dvc repro` runs. Two steps:
+
+    # here (CPU, with the prepared dataset): the conversations the preset reads, compact
+    python benchmarks/gpu_recipe.py pack --params params/smollm2-h200.yaml --out .carry/recipe
+
+    # on the GPU machine, in slices: each call resumes where the last one stopped
+    timeout 560 python benchmarks/gpu_recipe.py run --params params/smollm2-h200.yaml \
+        --data .carry/recipe --gguf-dir DIR [--set evaluate.max_prompts=32 ...]
+
+`pack` writes `conversations.jsonl.xz`: the first `regenerate.max_conversations` train conversations,
+cut after their first assistant turn when `regenerate.max_turns` is 1 (regenerate reads nothing
+after it), and the whole val and test splits; plus `recipe.json` with the prepared mask token, so
+the smaller source picks the token the full one did. Its prepare run then yields the same train
+rows in the same order (splits are a function of the id), hence the same regenerate work.
+
+`run` writes `recipe-params.yaml` (the preset, with the target from --gguf-dir, the packed file as
+prepare's source, and the --set overrides), then runs each stage whose metrics file is not there
+yet. A stage killed part-way resumes by its own means: regenerate from its journal, train from its
+last checkpoint. Each stage's wall time is appended to `metrics/recipe_times.json`; the last line
+printed is a summary table. MLflow logs to the preset's store as in the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STAGES = ("prepare", "regenerate", "train", "export", "evaluate")
+DONE = {  # stage -> the file it writes last (under paths.metrics, or the export dir)
+    "prepare": "prepare.json",
+    "regenerate": "regenerate.json",
+    "train": "train.json",
+    "export": None,  # the export dir's model.safetensors
+    "evaluate": "eval.json",
+}
+
+
+def first_turn_only(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Messages up to and including the first assistant turn (all of them when there is none)."""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            return [dict(x) for x in messages[: i + 1]]
+    return [dict(x) for x in messages]
+
+
+def pack(args: argparse.Namespace) -> None:
+    from dominospec.config import load_params
+    from dominospec.data.dataset import read_dataset
+
+    params = load_params(args.params)
+    splits, meta = read_dataset(args.prepared or params.paths.prepared)
+    count = params.regenerate.max_conversations
+    cut = params.regenerate.enabled and params.regenerate.max_turns == 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = 0
+    with lzma.open(out / "conversations.jsonl.xz", "wt", encoding="utf-8", preset=6) as f:
+        for split in ("train", "val", "test"):
+            data = splits[split].select_columns(["id", "messages"])
+            if split == "train" and count is not None:
+                data = data.select(range(min(count, len(data))))
+            for row in data:
+                messages = first_turn_only(row["messages"]) if split == "train" and cut else row["messages"]
+                f.write(json.dumps({"id": row["id"], "messages": messages}, ensure_ascii=False) + "\n")
+                rows += 1
+    (out / "recipe.json").write_text(json.dumps({"mask_token_id": meta["mask_token_id"], "rows": rows,
+                                                 "train_rows": min(count or len(splits["train"]), len(splits["train"])),
+                                                 "prepared_meta": meta}, indent=1))
+    size = (out / "conversations.jsonl.xz").stat().st_size
+    print(f"packed {rows} conversations ({'first turns' if cut else 'whole'} for train): {size / 2**20:.1f} MiB -> {out}")
+
+
+def recipe_params(args: argparse.Namespace, work: Path) -> Path:
+    """The preset with this machine's target, the packed source and the --set overrides -> a params file."""
+    raw = yaml.safe_load(Path(args.params).read_text(encoding="utf-8"))
+    data = Path(args.data)
+    source = work / "conversations.jsonl"
+    if not source.exists():
+        with lzma.open(data / "conversations.jsonl.xz", "rt", encoding="utf-8") as f_in:
+            source.write_text(f_in.read(), encoding="utf-8")
+    packed = json.loads((data / "recipe.json").read_text())
+    raw["target"]["model"] = str(Path(args.gguf_dir).resolve())
+    raw["target"]["mask_token_id"] = packed["mask_token_id"]
+    raw["prepare"]["source"] = str(source.resolve())
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if section not in raw or name not in raw[section]:
+            raise SystemExit(f"--set {item}: no params key {key}")
+        raw[section][name] = yaml.safe_load(value)
+    path = work / "recipe-params.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def stage_done(params: Any, stage: str) -> bool:
+    if stage == "export":
+        return (Path(params.paths.draft) / "model.safetensors").exists()
+    return (Path(params.paths.metrics) / DONE[stage]).exists()
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from dominospec.config import load_params
+    from dominospec.data.prepare import prepare
+    from dominospec.data.regenerate import regenerate
+    from dominospec.eval.stage import evaluate
+    from dominospec.export.stage import export
+    from dominospec.train.stage import train
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    params = load_params(recipe_params(args, work))
+    functions = {"prepare": prepare, "regenerate": regenerate, "train": train, "export": export, "evaluate": evaluate}
+    times_path = Path(params.paths.metrics) / "recipe_times.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else []
+    wanted = args.stages.split(",") if args.stages else list(STAGES)
+    for stage in STAGES:
+        if stage not in wanted or stage_done(params, stage):
+            continue
+        print(f"== {stage}", flush=True)
+        started = time.time()
+        times.append({"stage": stage, "started": started, "seconds": None,
+                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"})
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        times_path.write_text(json.dumps(times, indent=1))
+        functions[stage](params)
+        times[-1]["seconds"] = round(time.time() - started, 1)
+        times_path.write_text(json.dumps(times, indent=1))
+    summary(params, times)
+
+
+def summary(params: Any, times: list[dict[str, Any]]) -> None:
+    """Seconds per stage (every slice counted; a killed slice counts up to its last record) and the results."""
+    per: dict[str, float] = {}
+    for t in times:
+        per[t["stage"]] = per.get(t["stage"], 0.0) + (t["seconds"] or 0.0)
+    metrics = Path(params.paths.metrics)
+    print("| stage | seconds (finished slices) |\n|---|---|")
+    for stage, seconds in per.items():
+        print(f"| {stage} | {seconds:.0f} |")
+    for name in ("regenerate.json", "train.json"):
+        if (metrics / name).exists():
+            doc = json.loads((metrics / name).read_text())
+            keep = {k: v for k, v in doc.items() if not isinstance(v, (dict, list))}
+            print(name, json.dumps(keep))
+    if (metrics / "eval.json").exists():
+        doc = json.loads((metrics / "eval.json").read_text())
+        print("| suite | mode | τ ± SE | tokens/s | speed-up | exact |\n|---|---|---|---|---|---|")
+        for suite, s in doc["suites"].items():
+            for mode, m in s["modes"].items():
+                print(f"| {suite} | {mode} | {m['acceptance_length']} ± {m.get('acceptance_length_se')} | "
+                      f"{m['tokens_per_s']} | {m['speedup']} | {m['exact_match']} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("--params", required=True)
+    p.add_argument("--prepared", default=None, help="the prepared dataset (default: the preset's paths.prepared)")
+    p.add_argument("--out", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--params", required=True)
+    r.add_argument("--data", required=True, help="the folder `pack` wrote")
+    r.add_argument("--gguf-dir", required=True, help="the folder holding the preset's target.gguf_file")
+    r.add_argument("--work", default="recipe-work", help="where the params file and the unpacked source go")
+    r.add_argument("--stages", default=None, help="comma-separated subset of " + ",".join(STAGES))
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = ap.parse_args(argv)
+    {"pack": pack, "run": run}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
