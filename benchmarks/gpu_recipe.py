@@ -92,6 +92,10 @@ def recipe_params(args: argparse.Namespace, work: Path) -> Path:
     raw["target"]["model"] = str(Path(args.gguf_dir).resolve())
     raw["target"]["mask_token_id"] = packed["mask_token_id"]
     raw["prepare"]["source"] = str(source.resolve())
+    # every output under --work: the checkout's tracked metrics/ and plots/ are the CPU default's
+    raw["paths"] = {key: str((work / value).resolve()) for key, value in raw["paths"].items()}
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{(work / 'mlflow.db').resolve()}"
+    raw["mlflow"]["artifact_location"] = str((work / "mlartifacts").resolve())
     for item in args.set:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")

@@ -28,6 +28,7 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from dominospec.data.kv_batch import SlotKV
+from dominospec.engine.kv import cache_argument
 from dominospec.data.loops import LoopDetector
 
 PREFILL_TOKENS = 1024  # tokens per prefill forward: bounds the [1, H, q, C] attention scores
@@ -73,6 +74,7 @@ class ReplyStream:
         self.model, self.kv, self.policy, self.generator, self.on_tokens = model, kv, policy, generator, on_tokens
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.cache_arg = cache_argument(model)  # `cache` or `past_key_values`, by transformers version
         self.keys: list[Optional[Hashable]] = [None] * kv.slots  # slot -> key (None: free)
         self.slot_of: dict[Hashable, int] = {}
         self.running: dict[int, _Running] = {}  # slot -> its reply in progress
@@ -200,7 +202,7 @@ class ReplyStream:
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device), cache=self.kv, use_cache=True, logits_to_keep=keep,
+                position_ids=positions.to(self.device), **{self.cache_arg: self.kv}, use_cache=True, logits_to_keep=keep,
             )  # fmt: skip
         return out.logits.float()
 
