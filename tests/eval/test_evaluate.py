@@ -157,6 +157,31 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
 
 
+def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_path, monkeypatch):
+    """A process that trained first has TF32 on; evaluate runs plain fp32 (exactness) and restores it.
+    AR runs with the engine options the speculative modes get (CUDA graphs on a GPU): a fair baseline."""
+    from dominospec.eval import stage
+
+    seen = {}
+    run_suite = stage.run_suite
+
+    def spy(suite, engines, *args, **kwargs):
+        seen["precision"] = torch.get_float32_matmul_precision()
+        seen["options"] = {mode: engine.options for mode, engine in engines.items()}
+        return run_suite(suite, engines, *args, **kwargs)
+
+    monkeypatch.setattr(stage, "run_suite", spy)
+    torch.set_float32_matmul_precision("high")
+    try:
+        evaluate(load_params(setup[0]), out=str(tmp_path / "eval.json"))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen["precision"] == "highest"
+    assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino"}
+    assert len({id(options) for options in seen["options"].values()}) == 1
+
+
 def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path):
     params_path, _ = setup
     raw = yaml.safe_load(params_path.read_text())

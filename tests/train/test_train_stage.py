@@ -66,7 +66,12 @@ def test_train_writes_checkpoints_metrics_plots_and_mlflow_run(tiny_cache, tmp_p
     from dominospec.train.stage import train
 
     params = load_params(run_params(tiny_cache, tmp_path))
-    train(params)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        train(params)
+        assert torch.get_float32_matmul_precision() == "medium"  # its TF32 setting does not leak to what runs next
+    finally:
+        torch.set_float32_matmul_precision("highest")
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 6
     assert 0 < metrics["train_minutes"] < 5

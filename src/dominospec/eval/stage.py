@@ -44,7 +44,20 @@ TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / ver
 
 
 def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] = None) -> dict[str, Any]:
-    """Params (+ optional prompts JSONL, output path) -> the eval.json document (also written)."""
+    """Params (+ optional prompts JSONL, output path) -> the eval.json document (also written).
+
+    fp32 matmuls run as plain fp32 throughout, whatever this process set before (the train stage
+    allows TF32): exact match compares the verify forward with AR, and TF32 turns near-ties into
+    divergences."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return _evaluate(params, prompts, out)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dict[str, Any]:
     from dominospec.files import sha256_file, write_json
     from dominospec.target import load_target
 
@@ -64,7 +77,8 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     options = engine_options(params.engine)
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
     ngram_k = cfg.num_draft if cfg.num_draft == "auto" else None  # else params.engine.ngram_num_draft
-    engines = {"ar": SpecEngine(target, None, "ar"), NGRAM: SpecEngine(target, None, NGRAM, ngram_k, options),
+    # AR gets the same engine options (CUDA graphs on a GPU): the speed-ups are against a fast AR
+    engines = {"ar": SpecEngine(target, None, "ar", None, options), NGRAM: SpecEngine(target, None, NGRAM, ngram_k, options),
                NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
         engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)

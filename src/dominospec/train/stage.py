@@ -53,13 +53,21 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
 
 def train(params: Params) -> None:
     """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for the draft's fp32 parts; restored after
+    try:
+        _fit(params)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _fit(params: Params) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from dominospec.train.build import TrainingSetup, build_training
     from dominospec.tracking import flat_params, lightning_logger
 
-    torch.set_float32_matmul_precision("high")
     L.seed_everything(params.train.seed, workers=True)
     setup: TrainingSetup = build_training(params)
 
