@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dominospec.config import load_params
 from dominospec.data.chat import render_text
 from dominospec.data.decoder import DecodePolicy, ReplyStream, next_tokens
-from dominospec.data import decoder, kv_batch
+from dominospec.data import decoder, kv_batch, replies
 from dominospec.data.kv_batch import SlotKV, grouped_attention_on
 from dominospec.data.loops import LoopDetector
 from dominospec.data.replies import decode_policy, rewrite_conversations
@@ -205,6 +205,29 @@ def test_multi_turn_greedy_equals_full_recompute(tiny_target, batch_size, group_
     assert sum(r.replies_at_max_length for r in got) >= 1  # conversation 2 runs into max_length
     if loop_ngram:
         assert sum(r.replies_loop_cut for r in got) >= 1  # the random model loops; cuts must match the reference
+
+
+def test_a_template_that_rewrites_history_restarts_the_conversation_in_its_batch(tiny_target, monkeypatch):
+    """Qwen3's template, say, drops earlier replies' reasoning: the next prompt is then no extension of
+    what the slot holds, and the conversation starts afresh from its full rendering, while the others
+    of its batch keep their slots (and the slot it gave up is there to take again)."""
+    cfg = dataclasses.replace(load_params(REPO / "params.yaml").regenerate, max_new_tokens=8, temperature=0.0,
+                              dtype="float32")  # fmt: skip
+    turn_marked = lambda tok, msgs, add_generation_prompt=False: (  # noqa: E731
+        f"[{sum(m['role'] == 'assistant' for m in msgs)}]" + render_text(tok, msgs, add_generation_prompt))
+    monkeypatch.setattr(replies, "render_text", turn_marked)
+    conversations, max_length = _conversations(), 160
+    got = rewrite_conversations(tiny_target, conversations, cfg, max_length)
+    tokenizer, stops = tiny_target.tokenizer, decode_policy(tiny_target, cfg).stop_ids
+    for conversation, rewritten in zip(conversations, got):
+        history = []
+        for message in rewritten.messages:
+            if message["role"] == "assistant":  # each reply: greedy from its own full rendering
+                ids = tokenizer(turn_marked(tokenizer, history, True), add_special_tokens=False)["input_ids"]
+                want, _, _ = _greedy_reference(tiny_target.model, ids, min(8, max_length - len(ids)), stops)
+                assert message["content"] == tokenizer.decode(want, skip_special_tokens=True)
+            history.append(message)
+    assert sum(r.assistant_turns for r in got) > len(conversations)  # later turns, hence restarts, ran
 
 
 def test_loop_detector_keeps_one_copy_of_the_loop():

@@ -162,12 +162,13 @@ class ReplyStream:
         """Tokens in the key's slot (0 without one)."""
         return int(self.kv.lengths[self.slot_of[key]]) if key in self.slot_of else 0
 
-    def end(self, key: Hashable) -> None:
-        """The key has no more replies: free its slot; compact once an eighth of the slots are free."""
+    def end(self, key: Hashable, compact: bool = True) -> None:
+        """The key has no more replies: free its slot; compact once an eighth of the slots are free
+        (not when `compact` is False: a key is about to take the slot again)."""
         slot = self.slot_of.pop(key)
         self.keys[slot] = None
         free = self.keys.count(None)
-        if free == len(self.keys) or free < max(1, len(self.keys) // 8):
+        if not compact or free == len(self.keys) or free < max(1, len(self.keys) // 8):
             return
         keep = [s for s, k in enumerate(self.keys) if k is not None]
         self.kv.keep(keep)

@@ -73,7 +73,7 @@ def rewrite_conversations(
             cursor[i] += 1
         text = render_text(tokenizer, history, add_generation_prompt=True) if cursor[i] < len(source) else None
         if text is not None and i in stream.slot_of and not text.startswith(context.text):
-            stream.end(i)  # a template that rewrites history: start afresh from the full rendering
+            stream.end(i, compact=False)  # a template that rewrites history: start afresh from the full rendering
         if text is not None and i not in stream.slot_of:
             contexts[i] = context = _Context()
         new = [] if text is None else context.unfed + tokenizer(text[len(context.text) :], add_special_tokens=False)["input_ids"]
