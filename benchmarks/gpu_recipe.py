@@ -20,7 +20,11 @@ rows in the same order (splits are a function of the id), hence the same regener
 prepare's source, and the --set overrides), then runs each stage whose metrics file is not there
 yet. A stage killed part-way resumes by its own means: regenerate from its journal, train from its
 last checkpoint. Each stage's wall time is appended to `metrics/recipe_times.json`; the last line
-printed is a summary table. MLflow logs to the preset's store as in the pipeline.
+printed is a summary table. MLflow logs to a sqlite store under --work; where its dependencies
+(sqlalchemy, cryptography) are missing, `--set mlflow.tracking_uri=file:///ABS/mlruns` with
+MLFLOW_ALLOW_FILE_STORE=true logs to a file store instead. Every stage runs in this one process,
+so each must leave global torch state as it found it (train and evaluate restore the fp32
+matmul precision they set).
 """
 
 from __future__ import annotations
