@@ -28,8 +28,8 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from dominospec.data.kv_batch import SlotKV
-from dominospec.engine.kv import cache_argument
 from dominospec.data.loops import LoopDetector
+from dominospec.engine.kv import cache_argument
 
 PREFILL_TOKENS = 1024  # tokens per prefill forward: bounds the [1, H, q, C] attention scores
 

@@ -22,6 +22,10 @@ together and grow together, and the stage hands them out in order of prompt leng
 neighbouring slots have similar lengths: a group's C_g stays close to its own longest slot
 instead of the batch's. On the default chunk this reads 0.4 of the columns of one shared buffer.
 
+The buffers are made like the K/V the model passes in (its device and dtype); the per-group
+decoding masks are built on `device`, the model's. On a GPU a group's ops cost kernel launches
+rather than columns read, so groups are wider there (GROUP_SLOTS_CUDA).
+
 Attention over the groups is `grouped_attention`, registered with transformers'
 AttentionInterface as `ATTENTION`; `grouped_attention_on(model, kv)` selects it for the model and
 makes `kv` the cache it reads while decoding (the layer's new K/V are already in the group buffers,
