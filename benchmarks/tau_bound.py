@@ -92,7 +92,7 @@ class NgramBaseline:
 
 
 def table(records: torch.Tensor) -> list[dict]:
-    """[A, 2] (p1, right) -> per p1 bucket: share of anchors, draft first-token accuracy."""
+    """anchor_records rows [A, 6] (columns 0, 1: p1, right) -> per p1 bucket: share of anchors, draft first-token accuracy."""
     out = []
     for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:]):
         sel = (records[:, 0] >= lo) & (records[:, 0] < hi)

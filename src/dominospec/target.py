@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -201,3 +202,15 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
 def read_identity(path: Path) -> dict[str, Any]:
     """Read a target identity stored as JSON (manifests, export configs)."""
     return json.loads(Path(path).read_text())
+
+
+@contextmanager
+def float32_matmul(precision: str) -> Iterator[None]:
+    """Within the block fp32 matmuls run at `precision` ("highest": plain fp32; "high": TF32 allowed);
+    the process's setting is restored after (stages share a process in notebooks and GPU scripts)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)

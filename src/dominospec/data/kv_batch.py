@@ -180,8 +180,9 @@ class SlotKV(Cache):
         for g in range(self.num_groups):
             first, end = self.group_range(g)
             self.capacities.append(self._fit(int(self.lengths[first:end].max()) + 1 if end > first else 1))
-        # new group g <- per old group o: (its rows in g, their rows in o); one gather each, not one per slot
-        sources: list[dict[int, tuple[list[int], list[int]]]] = []
+        # new group g <- per old group o: (its rows in g, their rows in o) as index tensors, built once
+        # for every layer: one gather per (g, o), not one copy per slot
+        sources: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         for g in range(self.num_groups):
             first, end = self.group_range(g)
             by_old: dict[int, tuple[list[int], list[int]]] = {}
@@ -189,7 +190,8 @@ class SlotKV(Cache):
                 rows, old_rows = by_old.setdefault(s // old_group, ([], []))
                 rows.append(row)
                 old_rows.append(s % old_group)
-            sources.append(by_old)
+            sources.append({o: (torch.tensor(r, device=self.device), torch.tensor(q, device=self.device))
+                            for o, (r, q) in by_old.items()})
         for store in (self.keys, self.values):
             for layer, buffers in enumerate(store):
                 like = next((b for b in buffers if b is not None), None)
@@ -204,8 +206,7 @@ class SlotKV(Cache):
                         old = buffers[o]  # None: that group never held a token
                         if old is not None:
                             width = min(self.capacities[g], old.shape[2])
-                            new[torch.tensor(rows, device=new.device), :, :width] = \
-                                old[torch.tensor(old_rows, device=old.device), :, :width]
+                            new[rows.to(new.device), :, :width] = old[old_rows.to(old.device), :, :width]
                     regrouped.append(new)
                 store[layer] = regrouped
 

@@ -49,12 +49,10 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     fp32 matmuls run as plain fp32 throughout, whatever this process set before (the train stage
     allows TF32): exact match compares the verify forward with AR, and TF32 turns near-ties into
     divergences."""
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
+    from dominospec.target import float32_matmul
+
+    with float32_matmul("highest"):
         return _evaluate(params, prompts, out)
-    finally:
-        torch.set_float32_matmul_precision(precision)
 
 
 def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dict[str, Any]:

@@ -53,12 +53,10 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
 
 def train(params: Params) -> None:
     """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")  # TF32 for the draft's fp32 parts; restored after
-    try:
+    from dominospec.target import float32_matmul
+
+    with float32_matmul("high"):  # TF32 for the draft's fp32 parts
         _fit(params)
-    finally:
-        torch.set_float32_matmul_precision(precision)
 
 
 def _fit(params: Params) -> None:
