@@ -120,8 +120,11 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert suite["exact_match_ngram"] == 1.0 and suite["modes"]["ngram"]["exact_match"] == 1.0
     assert suite["speedup_ngram"] == pytest.approx(suite["ngram_tokens_per_s"] / suite["ar_tokens_per_s"])
     assert suite["modes"]["domino"]["acceptance_length"] == suite["acceptance_length"]
-    for key in ("acceptance_length_se", "acceptance_length_no_head_se", "acceptance_length_ngram_se"):
+    for key in ("acceptance_length_se", "acceptance_length_no_head_se", "acceptance_length_ngram_se",
+                "speedup_se", "speedup_no_head_se", "speedup_ngram_se", "speedup_over_ngram_se"):
         assert suite[key] is not None and suite[key] >= 0
+    # the draft's mode against prompt lookup, paired on the same prompts
+    assert suite["speedup_over_ngram"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ngram_tokens_per_s"])
     # τ is consistent with the counts: round tokens = new tokens - one prefill token per prompt.
     assert suite["acceptance_length"] == pytest.approx((suite["new_tokens"] - 3) / suite["verify_rounds"])
     assert len(suite["acceptance_by_position"]) == report["num_draft"] == report["block_size"] - 1 == 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dominospec.engine import Generation, GenerationStats, SpecEngine
-from dominospec.eval.report import acceptance_by_position, first_divergence, suite_report
+from dominospec.eval.report import acceptance_by_position, first_divergence, speedup_standard_error, suite_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import tiny_target  # noqa: E402
@@ -72,3 +72,47 @@ def test_sampled_runs_have_no_exact_match_and_positions_unproposed_are_none():
     runs = [{"ar": generation("ar", [1, 2], [1], 1.0), "dflash": gens[0], "domino": gens[0]}]
     report = suite_report(runs, [[1]], "domino", greedy=False, ar_engine=None, skipped_too_long=0)
     assert report["exact_match"] is None and report["divergences"] == []
+
+
+def test_speedups_have_paired_standard_errors_over_prompts():
+    # Domino twice as fast as AR on both prompts: the paired SE is 0 whatever the prompts' lengths
+    runs = [{"ar": generation("ar", [1] * 8, [1] * 7, 4.0),
+             "ngram": generation("ngram", [1] * 8, [2] * 4, 3.0),
+             "dflash": generation("dflash", [1] * 8, [2] * 4, 2.5),
+             "domino": generation("domino", [1] * 8, [2] * 4, 2.0)},
+            {"ar": generation("ar", [1] * 2, [1], 1.0),
+             "ngram": generation("ngram", [1] * 2, [1], 0.5),
+             "dflash": generation("dflash", [1] * 2, [1], 0.5),
+             "domino": generation("domino", [1] * 2, [1], 0.5)}]
+    report = suite_report(runs, [[1], [2]], "domino", greedy=False, ar_engine=None, skipped_too_long=0)
+    assert report["speedup"] == pytest.approx(2.0) and report["speedup_se"] == pytest.approx(0.0, abs=1e-12)
+    # ngram: 3/4 of AR's time on prompt 1, 1/2 on prompt 2 -> pooled 5/3.5; residuals of the ratio
+    # estimator s_ar - R s_ngram: 4 - 3R and 1 - 0.5R, SE = sqrt(Σ res² / (n (n-1))) / mean(s_ngram)
+    r = 5.0 / 3.5
+    se = (((4 - 3 * r) ** 2 + (1 - 0.5 * r) ** 2) / (2 * 1)) ** 0.5 / ((3.0 + 0.5) / 2)
+    assert report["speedup_ngram"] == pytest.approx(r) and report["speedup_ngram_se"] == pytest.approx(se)
+    assert report["modes"]["ngram"]["speedup_se"] == pytest.approx(se)
+    assert report["modes"]["ar"]["speedup_se"] is None
+    # Domino against prompt lookup on the same prompts: 3.5 s against 2.5 s in all
+    assert report["speedup_over_ngram"] == pytest.approx(3.5 / 2.5)
+    r = 3.5 / 2.5
+    se = (((3 - 2 * r) ** 2 + (0.5 - 0.5 * r) ** 2) / (2 * 1)) ** 0.5 / ((2.0 + 0.5) / 2)
+    assert report["speedup_over_ngram_se"] == pytest.approx(se)
+
+
+def test_speedup_standard_error_follows_unequal_token_counts():
+    # sampled runs emit different counts: tokens/s, not seconds, is what is compared
+    mode = [generation("domino", [1] * 10, [2] * 5, 1.0), generation("domino", [1] * 4, [2] * 2, 1.0),
+            generation("domino", [1] * 6, [2] * 3, 2.0)]
+    base = [generation("ar", [1] * 5, [1] * 4, 1.0), generation("ar", [1] * 4, [1] * 3, 2.0),
+            generation("ar", [1] * 6, [1] * 5, 1.0)]
+    n = 3
+    speedup = (20 / 4.0) / (15 / 4.0)
+    # the delta method's z_i by hand (log R = log N̄_m - log S̄_m - log N̄_b + log S̄_b)
+    z = [10 / (20 / n) - 1.0 / (4 / n) - 5 / (15 / n) + 1.0 / (4 / n),
+         4 / (20 / n) - 1.0 / (4 / n) - 4 / (15 / n) + 2.0 / (4 / n),
+         6 / (20 / n) - 2.0 / (4 / n) - 6 / (15 / n) + 1.0 / (4 / n)]
+    mean = sum(z) / n
+    expected = speedup * (sum((x - mean) ** 2 for x in z) / (n - 1) / n) ** 0.5
+    assert speedup_standard_error(mode, base) == pytest.approx(expected)
+    assert speedup_standard_error(mode[:1], base[:1]) is None

@@ -6,6 +6,11 @@ included, the prefill's first token excluded), tokens/s = Σ new tokens ÷ Σ ge
 (and its token) out of both. τ's standard error is over prompts, for the pooled (ratio)
 estimator: SE = sqrt(Σ_i (t_i − τ r_i)² / (n (n − 1))) ÷ mean(r_i), with t_i, r_i the round
 tokens and rounds of prompt i (delta method; None with fewer than two prompts).
+Every speed-up has a standard error over prompts too, paired: the modes ran the same prompts
+interleaved, so machine drift moves both sides of a ratio together. For R = (ΣN_m / ΣS_m) ÷
+(ΣN_b / ΣS_b), mode m against baseline b (N new tokens, S seconds, per prompt), the delta method
+gives SE = R·sqrt(var(z_i) / n), z_i = n_mi/N̄_m − s_mi/S̄_m − n_bi/N̄_b + s_bi/S̄_b.
+`speedup_over_ngram` (± SE) is the draft's mode against prompt lookup on the same prompts.
 Exact match (greedy only) is the share of prompts whose token ids equal AR's; each divergence
 is recorded with the target's top-2 logit margin at that point, so it can be checked against a
 near-tie.
@@ -38,6 +43,25 @@ def tau_standard_error(generations: list[Generation]) -> Optional[float]:
     tau = sum(t) / rounds
     spread = sum((ti - tau * ri) ** 2 for ti, ri in zip(t, r)) / (n * (n - 1))
     return math.sqrt(spread) / (rounds / n)
+
+
+def speedup_standard_error(mode: list[Generation], baseline: list[Generation]) -> Optional[float]:
+    """Generations of two modes on the same prompts (paired by index) -> SE over prompts of the
+    pooled speed-up (Σ tokens ÷ Σ seconds of `mode` over the same of `baseline`); None below two prompts."""
+    n = len(mode)
+    if n < 2 or len(baseline) != n:
+        return None
+    columns = [[g.stats.new_tokens for g in mode], [g.stats.total_s for g in mode],
+               [g.stats.new_tokens for g in baseline], [g.stats.total_s for g in baseline]]
+    means = [sum(c) / n for c in columns]
+    if min(means) <= 0:
+        return None
+    signs = (1, -1, -1, 1)  # log R = log N̄_m - log S̄_m - log N̄_b + log S̄_b
+    z = [sum(sign * c[i] / m for sign, c, m in zip(signs, columns, means)) for i in range(n)]
+    z_mean = sum(z) / n
+    variance = sum((zi - z_mean) ** 2 for zi in z) / (n - 1)
+    speedup = (means[0] / means[1]) / (means[2] / means[3])
+    return speedup * math.sqrt(variance / n)
 
 
 def pooled(generations: list[Generation]) -> dict[str, Any]:
@@ -132,6 +156,7 @@ def suite_report(
     for mode, generations in by_mode.items():
         p = pooled(generations)
         modes[mode] = {**p, "speedup": ratio(p["tokens_per_s"], ar["tokens_per_s"]),
+                       "speedup_se": speedup_standard_error(generations, by_mode["ar"]) if mode != "ar" else None,
                        "speedup_decode": ratio(p["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
                        "exact_match": exact(mode) if mode != "ar" else None,
                        "acceptance_by_position": acceptance_by_position(generations) if mode != "ar" else None}
@@ -156,6 +181,12 @@ def suite_report(
         "speedup": ratio(spec["tokens_per_s"], ar["tokens_per_s"]),
         "speedup_no_head": ratio(no_head["tokens_per_s"], ar["tokens_per_s"]),
         "speedup_ngram": ngram.get("speedup"),
+        "speedup_se": modes[spec_mode]["speedup_se"],
+        "speedup_no_head_se": modes[NO_HEAD]["speedup_se"],
+        "speedup_ngram_se": ngram.get("speedup_se"),
+        # the draft's mode against prompt lookup, paired by prompt: > 1 when training the draft paid
+        "speedup_over_ngram": ratio(spec["tokens_per_s"], ngram.get("tokens_per_s")),
+        "speedup_over_ngram_se": speedup_standard_error(by_mode[spec_mode], by_mode[NGRAM]) if ngram else None,
         "speedup_decode": ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),  # prefill excluded
         "exact_match": exact(spec_mode),
         "exact_match_no_head": exact(NO_HEAD),

@@ -122,7 +122,11 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
     for name, suite in report["suites"].items():
         for mode, m in suite["modes"].items():
             print(f"{name} {mode}: τ {_fmt(m['acceptance_length'])} ± {_fmt(m['acceptance_length_se'])}, "
-                  f"{_fmt(m['tokens_per_s'])} tok/s, speedup {_fmt(m['speedup'])}, exact match {_fmt(m['exact_match'])}")
+                  f"{_fmt(m['tokens_per_s'])} tok/s, speedup {_fmt(m['speedup'])} ± {_fmt(m['speedup_se'])}, "
+                  f"exact match {_fmt(m['exact_match'])}")
+        if suite.get("speedup_over_ngram") is not None:
+            print(f"{name}: {report['spec_mode']} over ngram {_fmt(suite['speedup_over_ngram'])} "
+                  f"± {_fmt(suite['speedup_over_ngram_se'])} (paired by prompt)")
         for mode, w in suite.get("walk", {}).items():
             if isinstance(w, dict):
                 print(f"{name} {mode}: walk τ at K = {suite['walk']['num_draft']} "
