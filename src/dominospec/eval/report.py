@@ -5,7 +5,8 @@ included, the prefill's first token excluded), tokens/s = Σ new tokens ÷ Σ ge
 (prefill included), speedup = mode tokens/s ÷ AR tokens/s; `speedup_decode` leaves the prefill
 (and its token) out of both. τ's standard error is over prompts, for the pooled (ratio)
 estimator: SE = sqrt(Σ_i (t_i − τ r_i)² / (n (n − 1))) ÷ mean(r_i), with t_i, r_i the round
-tokens and rounds of prompt i (delta method; None with fewer than two prompts).
+tokens and rounds of prompt i (the delta method of `relative_standard_error`; None with fewer
+than two prompts).
 Every speed-up has a standard error over prompts too, paired: the modes ran the same prompts
 interleaved, so machine drift moves both sides of a ratio together. For R = (ΣN_m / ΣS_m) ÷
 (ΣN_b / ΣS_b), mode m against baseline b (N new tokens, S seconds, per prompt), the delta method
@@ -33,35 +34,37 @@ from dominospec.engine import Generation, SpecEngine
 NO_HEAD, HEAD, NGRAM = "dflash", "domino", "ngram"
 
 
+def relative_standard_error(columns: list[list[float]], signs: tuple[int, ...]) -> Optional[float]:
+    """Per-prompt columns x_j [n] and signs e_j -> the delta method's SE over prompts of log R, R = Π mean(x_j)^e_j
+    (multiply by R for the SE of R); None with fewer than two prompts or a column of mean <= 0."""
+    n = len(columns[0])
+    means = [sum(c) / n for c in columns]
+    if n < 2 or min(means) <= 0:
+        return None
+    z = [sum(sign * c[i] / m for sign, c, m in zip(signs, columns, means)) for i in range(n)]
+    z_mean = sum(z) / n
+    return math.sqrt(sum((zi - z_mean) ** 2 for zi in z) / (n - 1) / n)
+
+
 def tau_standard_error(generations: list[Generation]) -> Optional[float]:
     """Generations of one mode (one per prompt) -> standard error of the pooled τ over prompts."""
     t = [g.stats.round_tokens for g in generations]
     r = [g.stats.rounds for g in generations]
-    n, rounds = len(r), sum(r)
-    if n < 2 or rounds == 0:
-        return None
-    tau = sum(t) / rounds
-    spread = sum((ti - tau * ri) ** 2 for ti, ri in zip(t, r)) / (n * (n - 1))
-    return math.sqrt(spread) / (rounds / n)
+    relative = relative_standard_error([t, r], (1, -1))  # τ = mean(t) / mean(r)
+    return None if relative is None else relative * sum(t) / sum(r)
 
 
 def speedup_standard_error(mode: list[Generation], baseline: list[Generation]) -> Optional[float]:
     """Generations of two modes on the same prompts (paired by index) -> SE over prompts of the
     pooled speed-up (Σ tokens ÷ Σ seconds of `mode` over the same of `baseline`); None below two prompts."""
-    n = len(mode)
-    if n < 2 or len(baseline) != n:
+    if len(baseline) != len(mode):
         return None
     columns = [[g.stats.new_tokens for g in mode], [g.stats.total_s for g in mode],
                [g.stats.new_tokens for g in baseline], [g.stats.total_s for g in baseline]]
-    means = [sum(c) / n for c in columns]
-    if min(means) <= 0:
+    relative = relative_standard_error(columns, (1, -1, -1, 1))  # R = N̄_m / S̄_m / N̄_b * S̄_b
+    if relative is None:
         return None
-    signs = (1, -1, -1, 1)  # log R = log N̄_m - log S̄_m - log N̄_b + log S̄_b
-    z = [sum(sign * c[i] / m for sign, c, m in zip(signs, columns, means)) for i in range(n)]
-    z_mean = sum(z) / n
-    variance = sum((zi - z_mean) ** 2 for zi in z) / (n - 1)
-    speedup = (means[0] / means[1]) / (means[2] / means[3])
-    return speedup * math.sqrt(variance / n)
+    return relative * (sum(columns[0]) / sum(columns[1])) / (sum(columns[2]) / sum(columns[3]))
 
 
 def pooled(generations: list[Generation]) -> dict[str, Any]:

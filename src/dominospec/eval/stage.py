@@ -39,6 +39,7 @@ from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
 from dominospec.eval.report import HEAD, NGRAM, NO_HEAD, suite_report
+from dominospec.target import float32_matmul
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
 
@@ -49,8 +50,6 @@ def evaluate(params: Params, prompts: Optional[str] = None, out: Optional[str] =
     fp32 matmuls run as plain fp32 throughout, whatever this process set before (the train stage
     allows TF32): exact match compares the verify forward with AR, and TF32 turns near-ties into
     divergences."""
-    from dominospec.target import float32_matmul
-
     with float32_matmul("highest"):
         return _evaluate(params, prompts, out)
 

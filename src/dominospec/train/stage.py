@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from dominospec.config import Params, as_flat_dict
+from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 
 
@@ -53,8 +54,6 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
 
 def train(params: Params) -> None:
     """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
-    from dominospec.target import float32_matmul
-
     with float32_matmul("high"):  # TF32 for the draft's fp32 parts
         _fit(params)
 
