@@ -39,3 +39,14 @@ def test_a_wrong_label_is_noticed():
     labels = torch.randint(0, 50, (5,), generator=g)
     shifted = (labels + 1) % 50
     assert not torch.allclose(chunked_cross_entropy(logits, shifted), reference(logits, labels), atol=1e-3)
+
+
+def test_chunks_are_small_on_a_cpu_and_large_on_an_accelerator():
+    from dominospec.train.chunked_ce import DEVICE_CHUNK_BYTES, chunk_rows
+
+    assert chunk_rows(torch.empty(10, 49152)) == CHUNK_ROWS
+    # any non-CPU device: chunks of up to DEVICE_CHUNK_BYTES fp32 (meta allocates nothing)
+    rows = chunk_rows(torch.empty(10, 49152, device="meta"))
+    assert rows == DEVICE_CHUNK_BYTES // (4 * 49152) and rows * 4 * 49152 <= DEVICE_CHUNK_BYTES
+    assert rows > 20 * CHUNK_ROWS
+    assert chunk_rows(torch.empty(10, 10**8, device="meta")) == CHUNK_ROWS  # never below the CPU's

@@ -200,3 +200,20 @@ def test_ddp_two_cpu_processes(tiny_cache, tmp_path):
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 4
     assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+def test_training_numerics_turn_off_cudnn_attention_and_restore_it():
+    from dominospec.train.stage import training_numerics
+
+    backends = torch.backends.cuda
+    before = backends.cudnn_sdp_enabled()
+    backends.enable_cudnn_sdp(True)
+    try:
+        with pytest.raises(RuntimeError):
+            with training_numerics():
+                assert not backends.cudnn_sdp_enabled()  # per-shape plans: off while training
+                assert torch.get_float32_matmul_precision() == "high"
+                raise RuntimeError("a failed step")
+        assert backends.cudnn_sdp_enabled()  # restored, also after an error
+    finally:
+        backends.enable_cudnn_sdp(before)

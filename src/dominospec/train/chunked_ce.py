@@ -18,16 +18,26 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ROWS = 64  # rows per fp32 chunk: 64 x 49,152 x 4 B = 12.6 MB, within a CPU core's L2/L3 reach
+CHUNK_ROWS = 64  # rows per fp32 chunk on a CPU: 64 x 49,152 x 4 B = 12.6 MB, within a core's L2/L3 reach
+DEVICE_CHUNK_BYTES = 1 << 29  # on an accelerator: fp32 chunks of up to 512 MiB (4 tensors live at once)
+
+
+def chunk_rows(logits: torch.Tensor) -> int:
+    """Rows per fp32 chunk for these logits [N, V]. A CPU wants chunks that stay in cache; a GPU
+    wants few, large ones: each chunk is ~10 kernel launches, and 64-row chunks of 16k rows
+    cost more host time than the GEMMs (benchmarks/train_step_gpu.py)."""
+    if logits.device.type == "cpu":
+        return CHUNK_ROWS
+    return max(CHUNK_ROWS, DEVICE_CHUNK_BYTES // (4 * logits.shape[1]))
 
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        N = logits.shape[0]
+        N, rows = logits.shape[0], chunk_rows(logits)
         lse = torch.empty(N, dtype=torch.float32, device=logits.device)
-        for a in range(0, N, CHUNK_ROWS):
-            lse[a:a + CHUNK_ROWS] = torch.logsumexp(logits[a:a + CHUNK_ROWS].float(), dim=-1)
+        for a in range(0, N, rows):
+            lse[a:a + rows] = torch.logsumexp(logits[a:a + rows].float(), dim=-1)
         picked = logits.gather(1, labels[:, None])[:, 0].float()
         ctx.save_for_backward(logits, labels, lse)
         return lse - picked  # [N] fp32
@@ -36,9 +46,9 @@ class _ChunkedCE(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        g = grad_loss.float()
-        for a in range(0, logits.shape[0], CHUNK_ROWS):
-            rows = slice(a, a + CHUNK_ROWS)
+        g, step = grad_loss.float(), chunk_rows(logits)
+        for a in range(0, logits.shape[0], step):
+            rows = slice(a, a + step)
             p = torch.exp(logits[rows].float() - lse[rows, None])  # softmax [chunk, V]
             p.scatter_add_(1, labels[rows, None], torch.full_like(p[:, :1], -1.0))
             grad[rows] = (p * g[rows, None]).to(grad.dtype)

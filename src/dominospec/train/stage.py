@@ -14,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from dominospec.config import Params, as_flat_dict
-from dominospec.target import float32_matmul
+from dominospec.target import float32_matmul, no_cudnn_attention
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 
 
@@ -54,8 +55,16 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
 
 def train(params: Params) -> None:
     """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
-    with float32_matmul("high"):  # TF32 for the draft's fp32 parts
+    with training_numerics():
         _fit(params)
+
+
+@contextmanager
+def training_numerics() -> Iterator[None]:
+    """The process-wide torch settings a training run takes, restored after: TF32 for the draft's
+    fp32 parts, and no cuDNN attention (its per-shape plans cost more than a step on a GPU)."""
+    with float32_matmul("high"), no_cudnn_attention():
+        yield
 
 
 def _fit(params: Params) -> None:

@@ -1,0 +1,247 @@
+"""Training throughput on a GPU: the train stage's own Lightning loop, variant by variant, in blocks/s.
+
+What a GPU recipe can learn in its budget is blocks seen, so this measures blocks per second of the
+real loop: `DraftLitModule` under `lightning.Trainer` (bf16-mixed, AdamW, gradient clipping,
+logging as the stage sets it), online features from the target, the target's own labels, as
+`params/smollm2-h200.yaml` trains. The target has the SmolLM2-135M-Instruct shapes with random
+weights (`--gguf-dir` loads the real one): the values change nothing of the cost. Sequences are
+random tokens with lengths drawn like the preset's data (a first user turn and a reply of at most
+256 tokens).
+
+    python benchmarks/train_step_gpu.py --params params/smollm2-h200.yaml --steps 40 \
+        --variants "preset;batch 16:train.batch_size=16" [--profile] [--out train_step_gpu.json]
+
+A variant is `name:key=value,key=value` over params (dotted keys), `;`-separated. After the
+timings, `--profile` runs a few steps of the first variant under torch.profiler and prints the
+ops that take the most host and device time. The last thing printed is a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def random_target(device: torch.device):
+    """A frozen Llama with SmolLM2-135M's shapes and random weights, as a dominospec Target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dominospec.target import Target, TargetIdentity
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device).eval().requires_grad_(False)
+    identity = TargetIdentity(name="random-smollm2-135m", revision=None, sha256=None, dtype="float32",
+                              num_layers=30, hidden_size=576, vocab_size=49152)
+    return Target(model=model, tokenizer=None, identity=identity, device=device)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Random token sequences, prompt 40..600 + reply 60..256 tokens, loss mask on the reply."""
+
+    def __init__(self, count: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(count):
+            prompt = int(torch.randint(40, 600, (1,), generator=g))
+            reply = int(torch.randint(60, 257, (1,), generator=g))
+            ids = torch.randint(0, vocab, (prompt + reply,), generator=g)
+            mask = torch.zeros(prompt + reply, dtype=torch.bool)
+            mask[prompt:] = True
+            self.items.append({"input_ids": ids, "loss_mask": mask})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+class StepClock:
+    """Lightning callback: wall time of every training step after the first `skip`, device-synced."""
+
+    def __init__(self, skip: int):
+        import lightning as L
+
+        clock = self
+
+        class _Callback(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                clock.times.append(time.perf_counter())
+
+        self.skip, self.times, self.callback = skip, [], _Callback()
+
+    def seconds_per_step(self) -> float:
+        t = self.times[self.skip:]
+        return (t[-1] - t[0]) / max(1, len(t) - 1)
+
+
+def apply(path: str, overrides: dict[str, str]):
+    """The params file + {dotted key: yaml value} -> Params, type-checked by the loader."""
+    import tempfile
+
+    import yaml
+
+    from dominospec.config import load_params
+
+    doc = yaml.safe_load(Path(path).read_text())
+    for key, value in overrides.items():
+        if key != "chunk_rows":
+            section, name = key.split(".", 1)
+            doc[section][name] = yaml.safe_load(value)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(doc, f)
+    return load_params(f.name)
+
+
+def run_variant(params, target, steps: int, skip: int, chunk_rows: int | None) -> dict:
+    """Train `steps` steps of the real loop on random sequences -> timings."""
+    import lightning as L
+
+    import dominospec.train.chunked_ce as chunked_ce
+    from dominospec.cache.features import resolve_layer_ids
+    from dominospec.models.domino import DFlashDraftModel
+    from dominospec.train.build import draft_config
+    from dominospec.train.datamodule import StepBatchSampler, collate
+    from dominospec.train.module import DraftLitModule
+    from dominospec.train.stage import training_numerics
+
+    saved = chunked_ce.CHUNK_ROWS
+    if chunk_rows:
+        chunked_ce.CHUNK_ROWS = chunk_rows
+    try:
+        layer_ids = resolve_layer_ids(params.cache, target.num_layers)
+        torch.manual_seed(0)
+        draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
+        module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
+                                online_target=target.model, layer_ids=layer_ids)
+        data = Sequences(512, target.identity.vocab_size)
+        loader = torch.utils.data.DataLoader(
+            data, batch_sampler=StepBatchSampler(len(data), params.train.batch_size, 0, 0, steps), collate_fn=collate)
+        clock = StepClock(skip)
+        trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
+                            precision=params.train.precision, gradient_clip_val=params.train.grad_clip,
+                            log_every_n_steps=params.train.log_every_steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, callbacks=[clock.callback],
+                            limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)
+        start = time.perf_counter()
+        with training_numerics():  # as the train stage runs it
+            trainer.fit(module, train_dataloaders=loader)
+        wall = time.perf_counter() - start
+        step_s = clock.seconds_per_step()
+        blocks = params.train.batch_size * params.train.num_anchors
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        return {"step_ms": step_s * 1e3, "blocks_per_step": blocks, "blocks_per_s": blocks / step_s,
+                "steps": steps, "wall_s": wall, "peak_gib": peak, "module": module}
+    finally:
+        chunked_ce.CHUNK_ROWS = saved
+
+
+def profile(module, params, steps: int = 4) -> None:
+    """A few steps of `training_step` + backward + AdamW under torch.profiler: top ops."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from dominospec.train.datamodule import collate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    module.to(device)  # Lightning hands the module back on the CPU after fit
+    module.log = lambda *a, **k: None
+    optimizer = torch.optim.AdamW(module.draft.parameters(), lr=1e-4)
+    module.optimizers = lambda: optimizer
+    module.curriculum = lambda: 0.5
+    data = Sequences(64, 49152, seed=1)
+    bs = params.train.batch_size
+
+    def one(i: int) -> None:
+        batch = collate([data[(i * bs + b) % len(data)] for b in range(bs)])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = module.training_step(batch, i)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.draft.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    from dominospec.train.stage import training_numerics
+
+    with training_numerics():
+        one(0)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with training_numerics(), torch_profile(activities=activities) as prof:
+        for i in range(1, steps + 1):
+            one(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+def main() -> None:
+    from dominospec.config import load_params
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params/smollm2-h200.yaml")
+    parser.add_argument("--steps", type=int, default=40, help="steps per variant, the first --skip untimed")
+    parser.add_argument("--skip", type=int, default=5)
+    parser.add_argument("--variants", default="preset")
+    parser.add_argument("--gguf-dir", help="load the real target from this dir (default: random weights)")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    base = load_params(args.params)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.gguf_dir:
+        import dataclasses
+
+        from dominospec.target import load_target
+
+        target = load_target(dataclasses.replace(base.target, model=args.gguf_dir), device=device)
+    else:
+        target = random_target(device)
+    rows = []
+    first = None
+    for spec in args.variants.split(";"):
+        name, _, assignments = spec.partition(":")
+        overrides = dict(a.split("=", 1) for a in assignments.split(",") if a)
+        params = apply(args.params, overrides)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        result = run_variant(params, target, args.steps, args.skip,
+                             int(overrides["chunk_rows"]) if "chunk_rows" in overrides else None)
+        module = result.pop("module")
+        first = first or (module, params, overrides)
+        rows.append({"variant": name.strip(), "overrides": overrides, **result})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.profile and first is not None:
+        import dominospec.train.chunked_ce as chunked_ce
+
+        module, params, overrides = first
+        if "chunk_rows" in overrides:
+            chunked_ce.CHUNK_ROWS = int(overrides["chunk_rows"])
+        profile(module, params)
+    info = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+            else "cpu", "torch": torch.__version__, "params": args.params, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(info, indent=1))
+    print(f"\n{info['date']} {info['device']} torch {info['torch']}; {args.params}; {args.steps} steps, "
+          f"first {args.skip} untimed")
+    print("| variant | overrides | step ms | blocks/step | blocks/s | peak GiB |\n|---|---|---|---|---|---|")
+    for r in rows:
+        over = ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(preset)"
+        print(f"| {r['variant']} | {over} | {r['step_ms']:.1f} | {r['blocks_per_step']} | "
+              f"{r['blocks_per_s']:.0f} | {r['peak_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
