@@ -214,23 +214,3 @@ def float32_matmul(precision: str) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-@contextmanager
-def no_cudnn_attention() -> Iterator[None]:
-    """Within the block scaled_dot_product_attention never takes the cuDNN backend; restored after.
-
-    cuDNN builds an execution plan for every new shape (tens of ms on the host for a backward),
-    and training batches change their length every step: on an H200 the plans took more host
-    time than the whole step's kernels (benchmarks/train_step_gpu.py). The memory-efficient and
-    flash backends need no plan. A no-op where torch has no cuDNN attention switch."""
-    backends = torch.backends.cuda
-    if not hasattr(backends, "enable_cudnn_sdp"):
-        yield
-        return
-    before = backends.cudnn_sdp_enabled()
-    backends.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        backends.enable_cudnn_sdp(before)

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from dominospec.config import Params, as_flat_dict
-from dominospec.target import float32_matmul, no_cudnn_attention
+from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 
 
@@ -65,6 +65,26 @@ def training_numerics() -> Iterator[None]:
     fp32 parts, and no cuDNN attention (its per-shape plans cost more than a step on a GPU)."""
     with float32_matmul("high"), no_cudnn_attention():
         yield
+
+
+@contextmanager
+def no_cudnn_attention() -> Iterator[None]:
+    """Within the block scaled_dot_product_attention never takes the cuDNN backend; restored after.
+
+    cuDNN builds an execution plan for every new shape (tens of ms on the host for a backward),
+    and training batches change their length every step: on an H200 the plans took more host
+    time than the whole step's kernels (benchmarks/train_step_gpu.py). The memory-efficient and
+    flash backends need no plan. A no-op where torch has no cuDNN attention switch."""
+    backends = torch.backends.cuda
+    if not hasattr(backends, "enable_cudnn_sdp"):
+        yield
+        return
+    before = backends.cudnn_sdp_enabled()
+    backends.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        backends.enable_cudnn_sdp(before)
 
 
 def _fit(params: Params) -> None:
