@@ -50,3 +50,18 @@ def test_chunks_are_small_on_a_cpu_and_large_on_an_accelerator():
     assert rows == DEVICE_CHUNK_BYTES // (4 * 49152) and rows * 4 * 49152 <= DEVICE_CHUNK_BYTES
     assert rows > 20 * CHUNK_ROWS
     assert chunk_rows(torch.empty(10, 10**8, device="meta")) == CHUNK_ROWS  # never below the CPU's
+
+
+@pytest.mark.parametrize("chunk", [7, 10_000])
+def test_any_chunk_size_gives_the_same_losses_and_gradients(monkeypatch, chunk):
+    import dominospec.train.chunked_ce as chunked_ce
+
+    monkeypatch.setattr(chunked_ce, "CHUNK_ROWS", chunk)  # one chunk per 7 rows, or all rows in one
+    g = torch.Generator().manual_seed(chunk)
+    base = torch.randn(150, 211, generator=g)
+    labels = torch.randint(0, 211, (150,), generator=g)
+    ours, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    torch.testing.assert_close(chunked_cross_entropy(ours, labels), reference(ref, labels), rtol=0, atol=1e-5)
+    chunked_cross_entropy(ours, labels).sum().backward()
+    reference(ref, labels).sum().backward()
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=1e-6)
