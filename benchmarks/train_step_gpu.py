@@ -11,7 +11,8 @@ random tokens with lengths drawn like the preset's data (a first user turn and a
     python benchmarks/train_step_gpu.py --params params/smollm2-h200.yaml --steps 40 \
         --variants "preset;batch 16:train.batch_size=16" [--profile] [--out train_step_gpu.json]
 
-A variant is `name:key=value,key=value` over params (dotted keys), `;`-separated. After the
+A variant is `name:key=value,key=value` over params (dotted keys) and the knobs `chunk_rows`,
+`cudnn` and `pad` (see `knobs`), `;`-separated. After the
 timings, `--profile` runs a few steps of the first variant under torch.profiler and prints the
 ops that take the most host and device time. The last thing printed is a markdown table.
 """
@@ -22,7 +23,9 @@ import argparse
 import datetime
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -95,7 +98,7 @@ def apply(path: str, overrides: dict[str, str]):
 
     doc = yaml.safe_load(Path(path).read_text())
     for key, value in overrides.items():
-        if key != "chunk_rows":
+        if key not in KNOBS:
             section, name = key.split(".", 1)
             doc[section][name] = yaml.safe_load(value)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -103,54 +106,82 @@ def apply(path: str, overrides: dict[str, str]):
     return load_params(f.name)
 
 
-def run_variant(params, target, steps: int, skip: int, chunk_rows: int | None) -> dict:
+KNOBS = ("chunk_rows", "cudnn", "pad")  # variant keys that are not params (see `knobs`)
+
+
+@contextmanager
+def knobs(overrides: dict[str, str]) -> Iterator[Callable]:
+    """The train stage's numerics, changed by the variant's knobs -> the collate function to use.
+
+    chunk_rows=N   CE chunks of N rows (default: `chunked_ce.chunk_rows`, by device)
+    cudnn=on       keep cuDNN attention (the stage turns it off: per-shape plans)
+    pad=N          pad every batch's length to a multiple of N (few shapes: cuDNN plans reused)
+    """
+    import dominospec.train.chunked_ce as chunked_ce
+    from dominospec.train.datamodule import collate
+    from dominospec.target import float32_matmul
+    from dominospec.train.stage import training_numerics
+
+    saved = chunked_ce.chunk_rows
+    if "chunk_rows" in overrides:
+        chunked_ce.chunk_rows = lambda logits: int(overrides["chunk_rows"])
+    keep_cudnn = overrides.get("cudnn") == "on"
+    multiple = int(overrides.get("pad", 1))
+
+    def padded(items):
+        batch = collate(items)
+        T = batch["input_ids"].shape[1]
+        extra = -T % multiple
+        if extra:  # right padding: loss_mask False, lengths unchanged, as collate pads
+            batch["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra))
+            batch["loss_mask"] = torch.nn.functional.pad(batch["loss_mask"], (0, extra))
+        return batch
+
+    try:
+        with float32_matmul("high") if keep_cudnn else training_numerics():  # the stage's, less the cuDNN switch
+            yield padded
+    finally:
+        chunked_ce.chunk_rows = saved
+
+
+def run_variant(params, target, steps: int, skip: int, overrides: dict[str, str]) -> dict:
     """Train `steps` steps of the real loop on random sequences -> timings."""
     import lightning as L
 
-    import dominospec.train.chunked_ce as chunked_ce
     from dominospec.cache.features import resolve_layer_ids
     from dominospec.models.domino import DFlashDraftModel
     from dominospec.train.build import draft_config
-    from dominospec.train.datamodule import StepBatchSampler, collate
+    from dominospec.train.datamodule import StepBatchSampler
     from dominospec.train.module import DraftLitModule
-    from dominospec.train.stage import training_numerics
 
-    saved = chunked_ce.CHUNK_ROWS
-    if chunk_rows:
-        chunked_ce.CHUNK_ROWS = chunk_rows
-    try:
-        layer_ids = resolve_layer_ids(params.cache, target.num_layers)
-        torch.manual_seed(0)
-        draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
-        module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
-                                online_target=target.model, layer_ids=layer_ids)
-        data = Sequences(512, target.identity.vocab_size)
+    layer_ids = resolve_layer_ids(params.cache, target.num_layers)
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
+    module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
+                            online_target=target.model, layer_ids=layer_ids)
+    data = Sequences(512, target.identity.vocab_size)
+    clock = StepClock(skip)
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
+                        precision=params.train.precision, gradient_clip_val=params.train.grad_clip,
+                        log_every_n_steps=params.train.log_every_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[clock.callback],
+                        limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)
+    start = time.perf_counter()
+    with knobs(overrides) as collate:  # as the train stage runs it, but for the variant's knobs
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=StepBatchSampler(len(data), params.train.batch_size, 0, 0, steps), collate_fn=collate)
-        clock = StepClock(skip)
-        trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
-                            precision=params.train.precision, gradient_clip_val=params.train.grad_clip,
-                            log_every_n_steps=params.train.log_every_steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, callbacks=[clock.callback],
-                            limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)
-        start = time.perf_counter()
-        with training_numerics():  # as the train stage runs it
-            trainer.fit(module, train_dataloaders=loader)
-        wall = time.perf_counter() - start
-        step_s = clock.seconds_per_step()
-        blocks = params.train.batch_size * params.train.num_anchors
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        return {"step_ms": step_s * 1e3, "blocks_per_step": blocks, "blocks_per_s": blocks / step_s,
-                "steps": steps, "wall_s": wall, "peak_gib": peak, "module": module}
-    finally:
-        chunked_ce.CHUNK_ROWS = saved
+        trainer.fit(module, train_dataloaders=loader)
+    wall = time.perf_counter() - start
+    step_s = clock.seconds_per_step()
+    blocks = params.train.batch_size * params.train.num_anchors
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return {"step_ms": step_s * 1e3, "blocks_per_step": blocks, "blocks_per_s": blocks / step_s,
+            "steps": steps, "wall_s": wall, "peak_gib": peak, "module": module}
 
 
-def profile(module, params, steps: int = 4) -> None:
+def profile(module, params, overrides: dict[str, str], steps: int = 4) -> None:
     """A few steps of `training_step` + backward + AdamW under torch.profiler: top ops."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    from dominospec.train.datamodule import collate
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     module.to(device)  # Lightning hands the module back on the CPU after fit
@@ -161,26 +192,24 @@ def profile(module, params, steps: int = 4) -> None:
     data = Sequences(64, 49152, seed=1)
     bs = params.train.batch_size
 
-    def one(i: int) -> None:
-        batch = collate([data[(i * bs + b) % len(data)] for b in range(bs)])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = module.training_step(batch, i)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.draft.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    with knobs(overrides) as collate:
+        def one(i: int) -> None:
+            batch = collate([data[(i * bs + b) % len(data)] for b in range(bs)])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = module.training_step(batch, i)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.draft.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    from dominospec.train.stage import training_numerics
-
-    with training_numerics():
         one(0)  # warm-up
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with training_numerics(), torch_profile(activities=activities) as prof:
-        for i in range(1, steps + 1):
-            one(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for i in range(1, steps + 1):
+                one(i)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
@@ -217,19 +246,14 @@ def main() -> None:
         params = apply(args.params, overrides)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        result = run_variant(params, target, args.steps, args.skip,
-                             int(overrides["chunk_rows"]) if "chunk_rows" in overrides else None)
+        result = run_variant(params, target, args.steps, args.skip, overrides)
         module = result.pop("module")
         first = first or (module, params, overrides)
         rows.append({"variant": name.strip(), "overrides": overrides, **result})
         print(json.dumps(rows[-1]), flush=True)
     if args.profile and first is not None:
-        import dominospec.train.chunked_ce as chunked_ce
-
         module, params, overrides = first
-        if "chunk_rows" in overrides:
-            chunked_ce.CHUNK_ROWS = int(overrides["chunk_rows"])
-        profile(module, params)
+        profile(module, params, overrides)
     info = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
             else "cpu", "torch": torch.__version__, "params": args.params, "rows": rows}
     if args.out:
