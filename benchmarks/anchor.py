@@ -60,8 +60,7 @@ def main() -> None:
     target_params = dataclasses.replace(params.target, **({"dtype": args.dtype} if args.dtype else {}))
     stock = load_target(target_params)  # transformers as users run it
     ours = load_target(target_params)
-    prepare_target(ours, params.engine)
-    options = engine_options(params.engine)
+    options = engine_options(params.engine, prepare_target(ours, params.engine))
     engines = {"ar": SpecEngine(ours, None, "ar"),
                "ngram": SpecEngine(ours, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, options)}
     if args.draft or args.random_draft:

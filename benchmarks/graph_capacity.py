@@ -45,9 +45,10 @@ def main() -> None:
     prompts = [json.loads(line)["prompt_ids"] for line in lines][: args.max_prompts]
     for dtype in args.dtypes.split(","):
         target = load_target(dataclasses.replace(params.target, model=args.gguf_dir, dtype=dtype, device="auto"))
+        # a CUDA target: its linears stay torch's (packing is for CPU weights)
         for capacity in map(int, args.capacities.split(",")):
             spec_module.MIN_BUCKET = capacity  # one bucket: every generation runs on `capacity` rows
-            options = dataclasses.replace(engine_options(params.engine), static_cache=True, cuda_graphs=True,
+            options = dataclasses.replace(engine_options(params.engine, "torch"), static_cache=True, cuda_graphs=True,
                                           graph_capacity=capacity)
             engine = SpecEngine(target, None, "ar", None, options)
             engine.generate(prompts[0], 16)  # captures the step's graph

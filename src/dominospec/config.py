@@ -160,7 +160,7 @@ class ExportParams:
 class EngineParams:
     """Speed knobs of the built-in engine (evaluate, generate, built-in serve). None changes what is generated."""
 
-    linear: Literal["packed", "torch"]  # packed: target + draft linears pre-packed for oneDNN (CPU fp32/bf16)
+    linear: Literal["auto", "packed", "torch"]  # packed: target + draft linears pre-packed for oneDNN (CPU fp32/bf16); auto: the faster one-row forward
     draft_dtype: Optional[Literal["float32", "bfloat16", "float16"]]  # draft path (backbone, base logits, rollout); null = target's
     candidate_pool: int  # M top base-logit candidates the rollout scores per block; 0 = the exact full vocabulary
     confidence_cut: float  # verify drafts while the product of their draft probabilities stays >= this; 0 = off

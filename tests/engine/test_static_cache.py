@@ -162,14 +162,14 @@ def test_params_switch_graphs_on_only_where_cuda_is(tmp_path):
 
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.cuda_graphs == "auto" and cfg.graph_capacity >= 2048
-    options = engine_options(cfg)
+    options = engine_options(cfg, "torch")
     assert options.static_cache == options.cuda_graphs == torch.cuda.is_available()
-    assert not engine_options(dataclasses.replace(cfg, cuda_graphs="off")).static_cache
+    assert not engine_options(dataclasses.replace(cfg, cuda_graphs="off"), "torch").static_cache
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="engine.cuda_graphs: on needs a CUDA GPU"):
-            engine_options(dataclasses.replace(cfg, cuda_graphs="on"))
+            engine_options(dataclasses.replace(cfg, cuda_graphs="on"), "torch")
     with pytest.raises(UserError, match="engine.graph_capacity"):
-        engine_options(dataclasses.replace(cfg, graph_capacity=8))
+        engine_options(dataclasses.replace(cfg, graph_capacity=8), "torch")
 
 
 def test_static_buckets_double_up_to_the_capacity():

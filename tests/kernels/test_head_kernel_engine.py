@@ -92,11 +92,11 @@ def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.head_kernel == "auto"
     triton_cfg = dataclasses.replace(cfg, head_kernel="triton")
-    assert engine_options(triton_cfg).head_kernel == "triton"  # interpreter (or CUDA) here
+    assert engine_options(triton_cfg, "torch").head_kernel == "triton"  # interpreter (or CUDA) here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="engine.head_kernel"):
-        engine_options(triton_cfg)
+        engine_options(triton_cfg, "torch")
 
 
 @cpu_engine
@@ -106,4 +106,5 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     target, draft, _ = setup
     engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="auto"))
     assert engine.head_kernels is None
-    assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine).head_kernel == "auto"
+    assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine,
+                          "torch").head_kernel == "auto"

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable, Optional
 
 import torch
 
 from dominospec.config import EngineParams, EvaluateParams
-from dominospec.engine.packed import pack_linears
+from dominospec.engine.packed import pack_linears, unpack_linears
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.spec import EngineOptions
 from dominospec.errors import UserError
 from dominospec.target import DTYPES, Target
 
 
-def engine_options(cfg: EngineParams) -> EngineOptions:
-    """params.engine -> EngineOptions (the draft path packed too when `linear: packed`)."""
+def engine_options(cfg: EngineParams, linear: Optional[str] = None) -> EngineOptions:
+    """params.engine -> EngineOptions. `linear` is what `prepare_target` chose for the target
+    ("packed" | "torch"; default: `engine.linear` as written): the draft path takes the same."""
     graphs = cuda_graphs(cfg)
+    linear = linear or cfg.linear
+    if linear == "auto":
+        raise ValueError("engine.linear: auto is resolved by prepare_target(); pass its choice to engine_options()")
     return EngineOptions(
         draft_dtype=DTYPES[cfg.draft_dtype] if cfg.draft_dtype else None,
-        packed=cfg.linear == "packed",
+        packed=linear == "packed",
         candidate_pool=cfg.candidate_pool,
         confidence_cut=cfg.confidence_cut,
         ngram_min=cfg.ngram_min,
@@ -57,10 +63,46 @@ def head_kernel(choice: str) -> str:
     return choice
 
 
-def prepare_target(target: Target, cfg: EngineParams) -> int:
-    """Pack the target's linears in place when `linear: packed` (before any engine is built, so the
-    AR baseline and the verify forward run the same kernels) -> how many were packed."""
-    return pack_linears(target.model) if cfg.linear == "packed" else 0
+def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[], float]] = None) -> str:
+    """Give the target's linears the kernels `engine.linear` asks for, in place, before any engine
+    is built (so the AR baseline and the verify forward run the same ones) -> the choice made,
+    "packed" or "torch", for `engine_options`.
+
+    `auto` times a one-row forward of the target both ways (fastest of a few, `timer()` returning
+    its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins
+    depends on the CPU: packed ran the AR step 1.8-2.0x faster on a 2-core AMD EPYC, and 0.8x as
+    fast as torch's own on a 2-core Intel Xeon with AMX (docs/benchmarks.md)."""
+    if cfg.linear == "torch":
+        return "torch"
+    if not pack_linears(target.model):
+        return "torch"  # nothing packable here (CUDA, fp64): torch's kernels either way
+    if cfg.linear == "packed":
+        return "packed"
+    timer = timer or (lambda: one_row_seconds(target))
+    packed = timer()
+    unpack_linears(target.model)
+    plain = timer()
+    if packed <= plain * AUTO_TIE:
+        pack_linears(target.model)
+        return "packed"
+    return "torch"
+
+
+AUTO_TIE = 1.02  # auto keeps the packed kernels unless torch's are faster by more than this (timer noise)
+
+
+def one_row_seconds(target: Target, repeats: int = 5) -> float:
+    """The fastest of `repeats` one-row forwards of the target (no cache; after one warm-up): the
+    AR step's cost in the linear layers, which is what the kernels change."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            target.model(input_ids=ids, use_cache=False)
+            if i:
+                best = min(best, time.perf_counter() - start)
+    return best
 
 
 def sampling_from(cfg: EvaluateParams) -> Sampling:

@@ -66,6 +66,23 @@ def pack_linears(module: nn.Module) -> int:
     return swapped
 
 
+def unpack_linears(module: nn.Module) -> int:
+    """Undo `pack_linears` in place: every PackedLinear becomes an nn.Linear on the same weight
+    tensor (no copy, so a tied embedding stays tied) -> how many were swapped back."""
+    swapped = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, PackedLinear):
+            plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            plain.weight = nn.Parameter(child.weight, requires_grad=False)
+            if child.bias is not None:
+                plain.bias = nn.Parameter(child.bias, requires_grad=False)
+            setattr(module, name, plain)
+            swapped += 1
+        else:
+            swapped += unpack_linears(child)
+    return swapped
+
+
 def linear_for(linear: nn.Module, dtype: torch.dtype, packed: bool) -> nn.Module:
     """A linear layer (nn.Linear or PackedLinear) -> the same function in `dtype`, packed when asked and possible."""
     weight = linear.weight.detach().to(dtype)

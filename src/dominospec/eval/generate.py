@@ -24,9 +24,9 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     sampling = sampling_from(cfg)
     target = load_target(params.target)
     draft = None if mode in ("ar", "ngram") else load_draft(draft_dir(params.paths), target)
-    prepare_target(target, params.engine)
+    linear = prepare_target(target, params.engine)
     num_draft = None if mode == "ar" or (mode == "ngram" and cfg.num_draft != "auto") else cfg.num_draft
-    engine = SpecEngine(target, draft, mode, num_draft, engine_options(params.engine))
+    engine = SpecEngine(target, draft, mode, num_draft, engine_options(params.engine, linear))
     ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats

@@ -70,8 +70,8 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
     target = load_target(params.target)
     source = draft_dir(params.paths)
     draft = load_draft(source, target)
-    prepare_target(target, params.engine)
-    options = engine_options(params.engine)
+    linear = prepare_target(target, params.engine)  # engine.linear: auto times both kernels here
+    options = engine_options(params.engine, linear)
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
     ngram_k = cfg.num_draft if cfg.num_draft == "auto" else None  # else params.engine.ngram_num_draft
     # AR gets the same engine options (CUDA graphs on a GPU): the speed-ups are against a fast AR
@@ -101,6 +101,7 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         "num_draft": engines[spec_mode].num_draft,  # K_max (auto-K chooses 0..K_max each round)
         "num_draft_setting": cfg.num_draft,
         "engine": dataclasses.asdict(params.engine),
+        "linear": linear,  # the kernels the target and draft path ran: engine.linear, auto resolved
         "auto_k": {mode: auto_k_record(engine) for mode, engine in engines.items() if engine.auto},
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,

@@ -117,9 +117,9 @@ def load_service(params: Params) -> "Service":
                         "or serve the target alone with serve.mode: ar")
     target = load_target(params.target)
     draft = None if path is None else load_draft(path, target)
-    prepare_target(target, params.engine)  # the same kernels for every request, spec or not
+    linear = prepare_target(target, params.engine)  # the same kernels for every request, spec or not
     engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None,
-                        engine_options(params.engine))
+                        engine_options(params.engine, linear))
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
     return Service(
