@@ -63,6 +63,10 @@ def test_explicit_choices_and_what_cannot_be_packed():
     assert packed_count(target.model) == 0
     assert prepare_target(target, dataclasses.replace(ENGINE, linear="packed")) == "packed"
     assert packed_count(target.model) == LINEARS
+    assert prepare_target(target, dataclasses.replace(ENGINE, linear="packed")) == "packed"  # again: the same
+    assert packed_count(target.model) == LINEARS
+    assert prepare_target(target, dataclasses.replace(ENGINE, linear="torch")) == "torch"  # and back
+    assert packed_count(target.model) == 0
     fp64 = tiny_target("qwen3", vocab=96, dtype=torch.float64)  # oneDNN packs fp32/bf16 only
     never = clock()  # auto must not time anything when nothing can be packed
     assert prepare_target(fp64, dataclasses.replace(ENGINE, linear="auto"), timer=never) == "torch"

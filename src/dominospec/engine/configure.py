@@ -72,6 +72,7 @@ def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[
     its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins
     depends on the CPU: packed ran the AR step 1.8-2.0x faster on a 2-core AMD EPYC, and 0.8x as
     fast as torch's own on a 2-core Intel Xeon with AMX (docs/benchmarks.md)."""
+    unpack_linears(target.model)  # from torch's kernels, whatever an earlier call chose (idempotent)
     if cfg.linear == "torch":
         return "torch"
     if not pack_linears(target.model):
