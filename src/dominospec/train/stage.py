@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dominospec.config import Params, as_flat_dict
 from dominospec.target import float32_matmul
@@ -59,32 +60,19 @@ def train(params: Params) -> None:
         _fit(params)
 
 
+# scaled_dot_product_attention's backends while training: all but cuDNN, which builds an execution
+# plan for every new shape (tens of ms on the host for a backward) while training batches change
+# length every step; on an H200 the plans took more host time than a whole step's kernels
+# (benchmarks/train_step_gpu.py). The memory-efficient and flash kernels need no plan.
+TRAINING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @contextmanager
 def training_numerics() -> Iterator[None]:
     """The process-wide torch settings a training run takes, restored after: TF32 for the draft's
-    fp32 parts, and no cuDNN attention (its per-shape plans cost more than a step on a GPU)."""
-    with float32_matmul("high"), no_cudnn_attention():
+    fp32 parts, and attention without cuDNN (TRAINING_ATTENTION)."""
+    with float32_matmul("high"), sdpa_kernel(TRAINING_ATTENTION):
         yield
-
-
-@contextmanager
-def no_cudnn_attention() -> Iterator[None]:
-    """Within the block scaled_dot_product_attention never takes the cuDNN backend; restored after.
-
-    cuDNN builds an execution plan for every new shape (tens of ms on the host for a backward),
-    and training batches change their length every step: on an H200 the plans took more host
-    time than the whole step's kernels (benchmarks/train_step_gpu.py). The memory-efficient and
-    flash backends need no plan. A no-op where torch has no cuDNN attention switch."""
-    backends = torch.backends.cuda
-    if not hasattr(backends, "enable_cudnn_sdp"):
-        yield
-        return
-    before = backends.cudnn_sdp_enabled()
-    backends.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        backends.enable_cudnn_sdp(before)
 
 
 def _fit(params: Params) -> None:
