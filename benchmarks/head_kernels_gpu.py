@@ -81,7 +81,7 @@ def pool_ids(base: torch.Tensor, first: int, size: int) -> torch.Tensor:
     return torch.topk(base[first:].max(dim=0).values, size).indices
 
 
-def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int) -> dict:
+def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int, plan: dict | None = None) -> dict:
     """Path name -> a no-argument function returning (tokens [K], scored logits or None); no host sync inside."""
     P = s["prefix"]
     args = (w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], P)
@@ -97,7 +97,8 @@ def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int) -> dict:
     def triton(weights, pool):
         def run():
             ids = pool_ids(w["base"], P, s["pool"]) if pool else None
-            return hr.head_rollout(weights, w["z"], w["base"], w["x_start"], ids, block_v=block_v).tokens, None
+            return hr.head_rollout(weights, w["z"], w["base"], w["x_start"], ids, block_v=block_v,
+                                   **(plan or {})).tokens, None
         return run
 
     return {"torch": torch_full, "pool torch": torch_pool, "triton": triton(with_table, False),
@@ -198,6 +199,15 @@ def run(args) -> dict:
         checks.append(dict(check=f"bf16 {name} + graph vs its eager run",
                            **compare(eager[name][0], None, None, out[0], 0.0)))
         rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
+    if cuda:  # the pool's selection alone (topk over the max of the corrected rows), inside every pool path
+        replay, _ = capture(lambda: (pool_ids(w["base"], s["prefix"], s["pool"]), None))
+        rows.append(dict(path="pool selection alone (max + topk) + graph", ms=median_ms(replay, args.reps, cuda)))
+        replay, _ = capture(lambda: (torch.topk(w["base"][s["prefix"]:].max(dim=0).values, s["pool"], sorted=False), None))
+        rows.append(dict(path="pool selection, topk unsorted + graph", ms=median_ms(replay, args.reps, cuda)))
+        replay, _ = capture(lambda: (w["base"][s["prefix"]:].max(dim=0).values, None))
+        rows.append(dict(path="pool selection, the max over rows alone + graph", ms=median_ms(replay, args.reps, cuda)))
+    sweep = plan_sweep(hr, w, s, budget, args) if args.sweep and cuda else []
+    profile = kernel_profile(hr, w, s, budget) if args.profile and cuda else []
     bf16_ulps = 2 * 2 ** -7  # 2 ulps of bf16 (8 significant bits), relative to the top logit
     checks.append(dict(check="bf16 triton vs eager torch",
                        **compare(*eager["torch"], None, eager["triton"][0], bf16_ulps)))
@@ -218,8 +228,74 @@ def run(args) -> dict:
                              table_gru=per_step_table * (K - P) / HBM_BYTES_PER_S * 1e3,
                              mb_per_step_gemv=per_step_gemv / 1e6, mb_per_step_table=per_step_table / 1e6),
         targets_ms={"triton + graph": 0.45, "pool triton + graph": 0.10},
-        rows=rows, checks=checks, ok=all(c["ok"] for c in checks),
+        rows=rows, checks=checks, ok=all(c["ok"] for c in checks), sweep=sweep,
+        profile=profile,
     )
+
+
+SWEEP = {  # launch shapes tried by --sweep (kernels.head_rollout.rollout_plan's arguments)
+    "full": dict(block_v=[32], score_programs=[1056], block_g=[64, 128], gru_warps=[2, 4, 8]),
+    "pool": dict(block_v=[16], score_programs=[0], block_g=[64, 128], gru_warps=[2, 4, 8]),
+}
+
+
+PROFILED = [  # (vocab, rollout_plan arguments) whose kernels --profile times one by one
+    ("full", {}), ("pool", {}),
+]
+
+
+def kernel_profile(hr, w: dict, s: dict, budget: int, runs: int = 10) -> list[dict]:
+    """torch.profiler over eager Triton rollouts: device µs per launch of each kernel, for each plan in PROFILED
+    (kernel times do not depend on how they are launched; a graph only removes the gaps between them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for vocab, plan in PROFILED:
+        plan = dict(plan)
+        fn = rollouts(hr, w, s, plan.pop("block_v", None), budget, plan)["triton" if vocab == "full" else "pool triton"]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                fn()
+            torch.cuda.synchronize()
+        kernels = {}
+        for event in prof.key_averages():
+            total = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+            if total > 0 and event.count:
+                kernels[event.key[:60]] = dict(us_per_launch=round(total / event.count, 2),
+                                               launches_per_rollout=event.count / runs,
+                                               us_per_rollout=round(total / runs, 1))
+        out.append(dict(vocab=vocab, plan=plan, kernels=kernels))
+        print(f"profile {vocab} {plan}: " + "; ".join(f"{k} {v['us_per_launch']} µs x {v['launches_per_rollout']:g}"
+                                                      for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_rollout"])),
+              flush=True)
+    return out
+
+
+def plan_sweep(hr, w: dict, s: dict, budget: int, args) -> list[dict]:
+    """Every launch shape in SWEEP, Triton + graph, bf16 -> rows {vocab, plan, ms, same tokens as the default}.
+    score_programs 0 = one program per tile."""
+    import itertools
+
+    out = []
+    default = {name: rollouts(hr, w, s, None, budget)[name]()[0] for name in ("triton", "pool triton")}
+    for vocab, grid in SWEEP.items():
+        name = "triton" if vocab == "full" else "pool triton"
+        for values in itertools.product(*grid.values()):
+            plan = dict(zip(grid, values))
+            plan["score_programs"] = plan["score_programs"] or 1 << 30
+            fn = rollouts(hr, w, s, plan.pop("block_v"), budget, plan)[name]
+            replay, res = capture(fn)
+            replay()
+            torch.cuda.synchronize()
+            same = res[0].tolist() == default[name].tolist()
+            out.append(dict(vocab=vocab, block_v=values[0], **plan, ms=median_ms(replay, max(50, args.reps // 4), True),
+                            same_tokens=same))
+        best = sorted((r for r in out if r["vocab"] == vocab), key=lambda r: r["ms"])[:5]
+        print(f"sweep {vocab}: best 5: " + "; ".join(f"{r['ms']:.3f} ms {r}" for r in best), flush=True)
+    return out
 
 
 def table(result: dict) -> str:
@@ -243,6 +319,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--block-v", type=int, default=None, help="W2 kernel columns per program (default: scoring_blocks)")
     parser.add_argument("--table-budget-gb", type=float, default=2.0, help="GRU [V, 3G] table when it fits")
+    parser.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (GPU)")
+    parser.add_argument("--profile", action="store_true", help="also time each kernel of the plans in PROFILED (GPU)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
     args = parser.parse_args()
     if args.smoke:

@@ -73,3 +73,47 @@ def test_bf16_chain_parts_only_at_near_ties(seed):
         top = float(scored[j].float().max())
         margin = top - float(scored[j][got[j]].float())
         assert margin <= 2 * 2 ** -7 * max(abs(top), 1.0), (j, margin)
+
+
+@pytest.mark.parametrize("block_v, score_programs, block_g", [(16, 3, 4), (8, 1, 1), (64, 2, 32)])
+@pytest.mark.parametrize("pool", [0, 37])
+def test_launch_shapes_do_not_change_the_chain(block_v, score_programs, block_g, pool):
+    """Programs that interleave several tiles each, GRU slices of any width: the same tokens and confidence."""
+    V, H, G, r, K, P = 203, 37, 19, 13, 7, 1
+    embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.float32, seed=11)
+    x_start = torch.tensor([5], device=DEVICE)
+    ids = pool_of(base, P, pool)
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40)
+    chain = head_rollout(weights, z, base, x_start, ids, confidence=True, block_v=block_v,
+                         score_programs=score_programs, block_g=block_g)
+    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
+    assert chain.tokens.tolist() == tokens.tolist()
+    expected = torch.stack([F.softmax(s, -1).max() for s in scored])
+    torch.testing.assert_close(chain.confidence, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("columns", [(5, 40), (13, 24), (24, 13)])
+def test_exact_ties_go_to_the_lowest_column(columns):
+    """Tiles of 8 over 3 programs: column 13 sits in program 1, column 24 in program 0. The lowest
+    column wins whichever program holds it (torch.argmax's rule), for a pure slot and a corrected one."""
+    V, H, G, r, K, P = 48, 9, 5, 3, 2, 1
+    embed, w_ih, w_hh, w1, _, z, _ = make(V, H, G, r, K, torch.float32)
+    w2 = torch.zeros(V, r, device=DEVICE)  # no correction: the corrected row is the base row
+    base = torch.zeros(K, V, device=DEVICE)
+    base[:, list(columns)] = 3.0
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40)
+    chain = head_rollout(weights, z, base, torch.tensor([1], device=DEVICE), block_v=8, score_programs=3)
+    assert chain.tokens.tolist() == [min(columns)] * K
+
+
+def test_pool_ties_go_to_the_first_pool_position():
+    """In a pool the rule is torch's ids[argmax(scored)]: the first position, not the lowest id."""
+    V, H, G, r, K, P = 48, 9, 5, 3, 2, 1
+    embed, w_ih, w_hh, w1, _, z, _ = make(V, H, G, r, K, torch.float32)
+    w2 = torch.zeros(V, r, device=DEVICE)
+    base = torch.zeros(K, V, device=DEVICE)
+    base[:, [7, 30]] = 3.0
+    ids = torch.tensor([30, 2, 7, 11], device=DEVICE)
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40)
+    chain = head_rollout(weights, z, base, torch.tensor([1], device=DEVICE), ids, block_v=2, score_programs=2)
+    assert chain.tokens.tolist() == [7, 30]  # slot 0 is pure (full row: lowest id), slot 1 pooled (first position)

@@ -126,7 +126,7 @@ def _kernel_steps(kernels: Any, z: torch.Tensor, base_logits: torch.Tensor, x_st
     z_proj = F.linear(z.to(kernels.w1_z.dtype), kernels.w1_z)  # [K, r], all slots at once
 
     def score(j: int, state: torch.Tensor) -> torch.Tensor:
-        h = torch.addmv(z_proj[j], kernels.w1_s, state[0])[None]  # W1 . [z_j ; s_j], [1, r]
+        h = torch.addmv(z_proj[j], kernels.w1_s_t.t(), state[0])[None]  # W1 . [z_j ; s_j], [1, r]
         return correction_logits(h, kernels.w2, base_logits[j:j + 1], cand, sampling.temperature).logits[0]
 
     def advance(token: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
