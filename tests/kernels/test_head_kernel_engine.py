@@ -88,6 +88,30 @@ def test_engine_with_triton_head_equals_torch_head(setup):
         assert b.stats.accepted_lengths == a.stats.accepted_lengths  # the same drafts, round by round
 
 
+@cpu_engine
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_static_engine_runs_the_rollout_through_its_graph_buffers(setup, pool_size):
+    """With static caches the greedy rollout (pool selection included) runs on RolloutGraphs' static
+    inputs, one function per K (CUDA graphs on a GPU, the same function eagerly here): the same tokens
+    and rounds as the torch head on the dynamic caches, and one function per K that was drafted."""
+    target, draft, _ = setup
+    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(candidate_pool=pool_size))
+    static = SpecEngine(target, draft, "domino", num_draft="auto",
+                        options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
+    fixed = SpecEngine(target, draft, "domino",
+                       options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
+    assert static.head_graphs is not None and torch_engine.head_graphs is None
+    for prompt in random_prompts(2, V, seed=5):
+        a, b = torch_engine.generate(prompt, 12), fixed.generate(prompt, 12)
+        assert b.token_ids == a.token_ids
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths
+        assert static.generate(prompt, 12).token_ids == a.token_ids  # auto-K
+    keys = set(fixed.head_graphs.graphs.functions)  # K = num_draft, or fewer near the token budget
+    assert (fixed.num_draft, False) in keys and all(1 <= K <= fixed.num_draft and not c for K, c in keys)
+    assert static.head_graphs.graphs.functions  # the auto-K engine drafted through them too
+    assert static.graph_failures() == {}
+
+
 def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.head_kernel == "auto"

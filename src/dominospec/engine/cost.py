@@ -51,7 +51,8 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             z, base_logits = drafter.block(None, x_start, T, K)
             t1 = engine._now()
             draft_chain(engine.draft, z, base_logits, x_start, engine.embed_tokens, Sampling(), None,
-                        engine.mode == "domino", engine.options.candidate_pool, kernels=engine.head_kernels)
+                        engine.mode == "domino", engine.options.candidate_pool, kernels=engine.head_kernels,
+                        graphs=engine.head_graphs)
             t2 = engine._now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)

@@ -3,13 +3,14 @@
 draft (in the draft path's dtype) + the target's embedding -> `HeadWeights` for
 `dominospec.kernels`: W1 split at H, W2, and the GRU's input gates either as a [V, 3G] table
 gathered by token id or, when the table exceeds `GRU_TABLE_BUDGET_BYTES`, as a GEMV per step.
+`RolloutGraphs` replays a greedy rollout (pool selection included) as one CUDA graph per K.
 triton is imported here, lazily: an engine on the torch path never imports it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -44,3 +45,45 @@ def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:
     with torch.no_grad():
         return head_weights(embed_tokens.weight, gru.weight_ih_l0, gru.weight_hh_l0, draft.embed_proj[0].weight,
                             draft.embed_proj[2].weight, draft.config.pure_draft_prefix_len, GRU_TABLE_BUDGET_BYTES)
+
+
+class RolloutGraphs:
+    """The greedy rollout on the kernels (pool selection included) over static inputs, one CUDA graph
+    per (K, confidence wanted) (engine.graphs): a chain then costs one replay instead of 2K + 2 kernel
+    launches from Python. With `enabled=False` (CPU, cuda_graphs off) the same function runs eagerly.
+
+    chain(z [K, H], u [K, V], x_start [1]) -> (tokens [K], confidence [K] or None), copies the caller keeps.
+    """
+
+    def __init__(self, weights: Any, block_size: int, hidden: int, vocab: int, dtype: torch.dtype,
+                 device: torch.device, pool_size: int, enabled: bool):
+        from dominospec.engine.graphs import ShapeGraphs
+
+        self.weights, self.pool_size = weights, pool_size
+        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
+        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs = ShapeGraphs(self._build, enabled)
+
+    def _build(self, key: tuple[int, bool]):
+        from dominospec.engine.rollout import candidate_pool
+        from dominospec.kernels.head_rollout import head_rollout
+
+        K, confidence = key
+        P = self.weights.pure_draft_prefix_len
+
+        def rollout():
+            cand = candidate_pool(self.base[:K], P, self.pool_size)
+            chain = head_rollout(self.weights, self.z[:K], self.base[:K], self.x_start, cand, confidence=confidence)
+            return chain.tokens, chain.confidence
+
+        return rollout
+
+    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+              confidence: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        K = z.shape[0]
+        self.z[:K].copy_(z)
+        self.base[:K].copy_(base_logits)
+        self.x_start.copy_(x_start.reshape(1))
+        tokens, belief = self.graphs.run((K, confidence))
+        return tokens.clone(), None if belief is None else belief.clone()

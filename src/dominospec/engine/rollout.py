@@ -54,13 +54,17 @@ def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Opt
 
 def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
                 sampling: Sampling, generator: Optional[torch.Generator], head: bool, pool_size: int,
-                confidence: bool = True, kernels: Any = None) -> DraftChain:
+                confidence: bool = True, kernels: Any = None, graphs: Any = None) -> DraftChain:
     """z [K, H], u [K, V], x_start [1] -> DraftChain of K tokens (see module docstring).
-    `kernels`: None (torch ops) or the head prepared for the Triton kernels (engine.head_kernels)."""
+    `kernels`: None (torch ops) or the head prepared for the Triton kernels (engine.head_kernels);
+    `graphs`: with kernels, their greedy rollout on static buffers (engine.head_kernels.RolloutGraphs)."""
     K, V = base_logits.shape
     want = confidence or not sampling.greedy
     if not head:  # independent draws: all K rows at once
         return _draw_rows(base_logits, sampling, generator, want)
+    if graphs is not None and sampling.greedy:  # the whole rollout, pool selection included, as one graph
+        tokens, belief = graphs.chain(z, base_logits, x_start, want)
+        return DraftChain(tokens, None, belief)
     P = int(draft.config.pure_draft_prefix_len)
     cand = candidate_pool(base_logits, P, pool_size)
     if kernels is not None and sampling.greedy:  # the whole rollout on device

@@ -48,7 +48,7 @@ import torch
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
+from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
@@ -106,6 +106,7 @@ class SpecEngine:
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.draft, self.num_draft, self.block_size, self.layer_ids = None, 0, 1, []
         self.head_kernels = None  # the head prepared for the Triton kernels (engine.head_kernel: triton)
+        self.head_graphs: Optional[RolloutGraphs] = None  # their greedy rollout as CUDA graphs (with static_cache)
         self.auto = num_draft == "auto"
         self.cost: Optional[RoundCost] = None  # auto-K: measured by `calibrate`
         # static runners by capacity bucket: {rows: (StaticTargetKV, StaticDraftBlock or None)}, built on first use
@@ -134,9 +135,13 @@ class SpecEngine:
         kernel = options.head_kernel
         if kernel == "auto":  # Triton where it runs compiled (a CUDA draft), torch ops elsewhere
             kernel = "triton" if triton_usable(self.draft.embed_proj[2].weight.device) else "torch"
+        self.block_size = int(draft.config.block_size)
         if mode == "domino" and kernel == "triton":
             self.head_kernels = prepare_head_kernels(self.draft, self.embed_tokens)
-        self.block_size = int(draft.config.block_size)
+            if options.static_cache:
+                self.head_graphs = RolloutGraphs(self.head_kernels, self.block_size, self.draft.config.hidden_size,
+                                                 self.head_kernels.w2.shape[0], self.draft_dtype, self.device,
+                                                 options.candidate_pool, enabled=options.cuda_graphs)
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
@@ -306,7 +311,7 @@ class SpecEngine:
         if drafted:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
                                 self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
-                                kernels=self.head_kernels)
+                                kernels=self.head_kernels, graphs=self.head_graphs)
             K = self._cut(chain)
         t2 = self._now()
 
@@ -410,6 +415,8 @@ class SpecEngine:
             for name, runner in zip(("target", "draft"), pair):
                 if runner is not None:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
+        if self.head_graphs is not None:
+            failures.update({f"head rollout {key}": err for key, err in self.head_graphs.graphs.failures.items()})
         return failures
 
     def _take_pending(self, state) -> Optional[torch.Tensor]:
