@@ -21,6 +21,8 @@ once per layer and step, which costs more than the attention itself. Slots of a 
 together and grow together, and the stage hands them out in order of prompt length, so
 neighbouring slots have similar lengths: a group's C_g stays close to its own longest slot
 instead of the batch's. On the default chunk this reads 0.4 of the columns of one shared buffer.
+GROUP_SLOTS and the stage's batch size were chosen together on the 2-core CPU: 256 slots in
+groups of 32 regenerate 1.18x the tokens/s of 64 in groups of 16 (docs/benchmarks.md).
 
 The buffers are made like the K/V the model passes in (its device and dtype); the per-group
 decoding masks are built on `device`, the model's. On a GPU a group's ops cost kernel launches
@@ -45,7 +47,7 @@ from transformers.cache_utils import Cache
 
 ATTENTION = "dominospec_grouped"
 GROW = 64  # C_g grows in steps of this many columns; a growth copies that group's buffer once
-GROUP_SLOTS = 16  # slots per group: four groups at the default 64 slots (each group costs its own attention ops)
+GROUP_SLOTS = 32  # slots per group: eight groups at the default 256 slots (each group costs its own attention ops)
 GROUP_SLOTS_CUDA = 128  # on a GPU a group's ops cost launches, not columns read: 8 groups at a batch of 1,024
 _DECODING: ContextVar[Optional["SlotKV"]] = ContextVar("dominospec_slot_kv", default=None)
 
