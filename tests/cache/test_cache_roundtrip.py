@@ -122,3 +122,30 @@ def test_rerun_continues_and_changed_params_start_afresh(tmp_path, tiny_targets,
     listed = {s.file for info in second.splits.values() for s in info.shards}
     assert {p.name for p in (tmp_path / "cache").glob("*.safetensors")} == listed
     assert (tmp_path / "cache" / "notes.txt").exists()  # files that are not the cache's are left alone
+
+
+def test_other_rows_under_the_same_meta_are_another_cache(tmp_path, tiny_targets, loaded_targets):
+    """meta.json does not name the replies: a regenerate run with another batch size writes the same meta
+    and (in bf16) other tokens. The cache must recompute, and its fingerprint (what a resumed train
+    stage compares) must change; the same rows give the same fingerprint."""
+    target = loaded_targets["llama"]
+    knobs = dict(num_feature_layers=2, layer_ids=None, max_train_conversations=None, max_val_conversations=None,
+                 batch_tokens=128, shard_tokens=150, dtype="bfloat16")
+    params = load_params(write_params(tmp_path / "params.yaml", tiny_targets["llama"], tmp_path, **knobs))
+    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES, seed=0)
+    meta = (tmp_path / "regenerated" / "meta.json").read_bytes()
+    cache(params)
+    first = fmt.read_manifest(params.paths.cache)
+
+    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES, seed=0)  # the same rows again
+    cache(params)
+    assert fmt.read_manifest(params.paths.cache).fingerprint == first.fingerprint
+    assert json.loads((tmp_path / "metrics" / "cache.json").read_text())["computed_tokens"] == 0
+
+    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES, seed=1)  # other tokens
+    assert (tmp_path / "regenerated" / "meta.json").read_bytes() == meta
+    cache(params)
+    second = fmt.read_manifest(params.paths.cache)
+    assert second.fingerprint != first.fingerprint and second.complete
+    metrics = json.loads((tmp_path / "metrics" / "cache.json").read_text())
+    assert metrics["computed_tokens"] == metrics["tokens"]

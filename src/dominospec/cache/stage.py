@@ -7,6 +7,7 @@ after the last complete shard; anything else starts afresh.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ class Source:
     splits: dict[str, Any]  # split -> datasets.Dataset (first N rows)
     lengths: dict[str, list[int]]  # split -> tokens per row
     split_sizes: dict[str, int]  # split -> rows in the source split (before the cap)
+    digests: dict[str, str]  # split -> sha256 of the cached rows' ids, token ids and loss masks (`rows_digest`)
 
 
 def check_params(params: CacheParams) -> None:
@@ -81,7 +83,29 @@ def read_source(data_dir: Path, params: CacheParams) -> Source:
             raise UserError(f"{data_dir} {split}: no conversations to cache")
         splits[split] = ds
         lengths[split] = pc.list_value_length(ds.with_format("arrow")["input_ids"]).to_pylist()
-    return Source(meta_json=meta_json, meta=meta, splits=splits, lengths=lengths, split_sizes=sizes)
+    digests = {split: rows_digest(ds) for split, ds in splits.items()}
+    return Source(meta_json=meta_json, meta=meta, splits=splits, lengths=lengths, split_sizes=sizes, digests=digests)
+
+
+def rows_digest(ds: Any) -> str:
+    """The rows a cache is computed from -> sha256 hex of their REQUIRED_COLUMNS. meta.json alone does
+    not name the content: a regenerate run whose batch size or dtype changed writes the same meta and
+    other replies (bf16 rounds differently per batch), and the cache and a resumed train stage must
+    see that as new data."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")[:]
+    h = hashlib.sha256()
+    for column in REQUIRED_COLUMNS:
+        values = table[column]
+        if pa.types.is_list(values.type):
+            h.update(pc.list_value_length(values).to_numpy(zero_copy_only=False).tobytes())
+            values = pc.list_flatten(values)
+            h.update(values.to_numpy(zero_copy_only=False).tobytes())
+        else:
+            h.update(json.dumps(values.to_pylist()).encode())
+    return h.hexdigest()
 
 
 def cache(params: Params) -> None:
@@ -145,6 +169,7 @@ def planned_manifest(
         "dtype": params.dtype,
         "shard_tokens": params.shard_tokens,
         "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
+        "rows": source.digests,
     }
     return fmt.Manifest(
         format_version=fmt.FORMAT_VERSION,
