@@ -111,6 +111,20 @@ def _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr,
 
 
 @triton.jit
+def _rows_gemv(w_ptr, stride_w, rows, mask_rows, x_ptr, n, BLOCK_K: tl.constexpr):
+    """W[rows, :n] · x[:n] -> fp32 [len(rows)] (W kept in L2: these rows are read again every step)."""
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for k0 in range(0, n, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < n
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :],
+                    mask=mask_rows[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _score_step_kernel(
     zproj_ptr, hpart_ptr, n_hparts, w2_ptr, base_ptr, ids_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr,
     n_cols, r, stride_w2, n_tiles, n_score,
@@ -163,15 +177,7 @@ def _score_step_kernel(
     elif GEMV:
         rows = (pid - n_score) * BLOCK_GH + tl.arange(0, BLOCK_GH)
         mask_rows = rows < 3 * G
-        acc = tl.zeros([BLOCK_GH], dtype=tl.float32)
-        for k0 in range(0, G, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < G
-            x = tl.load(state_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(w_hh_ptr + rows[:, None] * stride_w_hh + offs_k[None, :],
-                        mask=mask_rows[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        tl.store(gh_ptr + rows, acc, mask=mask_rows)
+        tl.store(gh_ptr + rows, _rows_gemv(w_hh_ptr, stride_w_hh, rows, mask_rows, state_ptr, G, BLOCK_K), mask=mask_rows)
 
 
 @triton.jit
@@ -188,15 +194,8 @@ def _input_gates_kernel(x_start_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr, n
         token = tl.load(x_start_ptr).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_GH + tl.arange(0, BLOCK_GH)
     mask_rows = rows < 3 * G
-    acc = tl.zeros([BLOCK_GH], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        x = tl.load(embed_ptr + token * stride_embed + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_ih_ptr + rows[:, None] * stride_w_ih + offs_k[None, :],
-                    mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    tl.store(gi_ptr + rows, acc, mask=mask_rows)
+    gi = _rows_gemv(w_ih_ptr, stride_w_ih, rows, mask_rows, embed_ptr + token * stride_embed, H, BLOCK_K)
+    tl.store(gi_ptr + rows, gi, mask=mask_rows)
 
 
 @triton.jit
