@@ -35,7 +35,7 @@ import torch
 
 # name -> overrides of (draft.*, train.*) and the data ("regen" | "orig", fraction of conversations)
 BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False,
-            labels="data", lr=None, orig=0)
+            labels="data", lr=None, orig=0, loss_vocab="full", batch_size=None)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "base": {},
     "depth2": dict(num_layers=2),
@@ -57,6 +57,21 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "orig3k-data-labels": dict(orig=3000),
     "target-labels+orig1k-2x": dict(labels="target", orig=1000, steps_factor=2.0),
     "target-labels+orig1k-b4-2x": dict(labels="target", orig=1000, block_size=4, loss_gamma=2.0, steps_factor=2.0),
+    # The CPU default as it ships (B = 4, the target's labels; run with --batch-size 4 --num-anchors 32
+    # --steps 1600 and a pack of its 256 regenerated prompts), against the sampled softmax
+    # (train.loss_vocab: sampled), which makes a CPU step cheap enough for 4x the blocks in the same
+    # time (benchmarks/train_step.py), and depth, which costs the CPU step little.
+    "cpu": dict(labels="target", block_size=4, loss_gamma=2.0),
+    "cpu-sampled": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled"),
+    "cpu-sampled-b16": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled", batch_size=16),
+    "cpu-sampled-b16-depth2": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled",
+                                   batch_size=16, num_layers=2),
+    "cpu-sampled-b16+orig1k": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled",
+                                   batch_size=16, orig=1000),
+    "cpu-depth2": dict(labels="target", block_size=4, loss_gamma=2.0, num_layers=2),
+    "cpu-sampled-b8+orig300": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled",
+                                   batch_size=8, orig=300),
+    "cpu-sampled+orig300": dict(labels="target", block_size=4, loss_gamma=2.0, loss_vocab="sampled", orig=300),
 }
 FACTORS = {  # factor -> candidates that change it (the base holds the first value)
     "num_layers": ["depth2", "depth4"],
@@ -223,7 +238,8 @@ def train_candidate(params: Any, target: Any, spec: dict[str, Any], items: list[
     draft_p = dataclasses.replace(params.draft, num_layers=spec["num_layers"], block_size=spec["block_size"])
     train_p = dataclasses.replace(params.train, features="online", max_steps=steps, loss=spec["loss"],
                                   loss_gamma=spec["loss_gamma"], init_from_target=spec["init"],
-                                  labels=spec["labels"], lr=spec["lr"] or params.train.lr)
+                                  labels=spec["labels"], lr=spec["lr"] or params.train.lr,
+                                  loss_vocab=spec["loss_vocab"], batch_size=spec["batch_size"] or params.train.batch_size)
     L.seed_everything(train_p.seed, workers=True)
     draft = DFlashDraftModel(draft_config(draft_p, target, layer_ids, mask_token_id))
     if spec["init"]:

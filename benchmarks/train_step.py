@@ -1,5 +1,6 @@
 """Where the time of one training step goes on this machine, by phase: the cross-entropy as it was
-(fp32 copies of the logits), the chunked one the train stage uses, and the loss vocabulary.
+(fp32 copies of the logits), the chunked one the train stage uses, the loss vocabulary and the
+sampled softmax.
 
 One process, the train stage's own pieces (`DraftLitModule`'s objective, bf16 autocast as
 `precision: bf16-mixed`, AdamW), the default draft (params `draft:`) and real sequences of the
@@ -10,11 +11,15 @@ all see the same machine load:
     reference  full vocabulary, F.cross_entropy(logits.float()) (the objective before chunked_ce)
     full       full vocabulary, chunked_cross_entropy (train/chunked_ce.py): the same losses
     data       `train.loss_vocab: data`, chunked (a different objective: see docs/benchmarks.md)
+    sampled    `train.loss_vocab: sampled`: the step's labels + train.loss_negatives uniform negatives
+
+A variant may carry `/bN` (N sequences a step instead of train.batch_size), `/aN` (N anchors a
+sequence instead of train.num_anchors) and `/lN` (N draft layers), e.g. `sampled/b8/a64/l2`.
  A block is one anchor's B slots; blocks/s is what training
 throughput means here (batch_size x num_anchors blocks per step).
 
     python benchmarks/train_step.py [--params params.yaml] [--steps 8] [--threads 2]
-        [--conversations 192] [--variants reference,full,data]
+        [--conversations 192] [--variants reference,full,data,sampled/b16]
 
 Prints ms per phase (blocks, backbone, LM head, Domino head, loss, backward, optimiser), blocks/s
 and V' (the loss vocabulary's size), then one markdown table.
@@ -56,15 +61,33 @@ class Timer:
         self.ms[name] += (time.perf_counter() - start) * 1e3
 
 
-def build(params, target, layer_ids, vocab):
+def parse_variant(name: str, params) -> tuple[str, int, int, int]:
+    """`objective[/bN][/aN][/lN]` -> (objective, sequences a step, anchors a sequence, draft layers)."""
+    objective, *opts = name.split("/")
+    shape = {"b": params.train.batch_size, "a": params.train.num_anchors, "l": params.draft.num_layers}
+    for opt in opts:
+        if opt[:1] not in shape or not opt[1:].isdigit():
+            raise SystemExit(f"error: variant {name!r}: options are /bN, /aN and /lN")
+        shape[opt[0]] = int(opt[1:])
+    if objective not in ("reference", "full", "data", "sampled"):
+        raise SystemExit(f"error: variant {name!r}: objective must be reference, full, data or sampled")
+    return objective, shape["b"], shape["a"], shape["l"]
+
+
+def build(params, target, layer_ids, vocab, objective="full", layers=None, anchors=None):
     """A fresh default draft + DraftLitModule (+ AdamW) on `target`; vocab None = full softmax."""
+    import dataclasses
+
     from dominospec.models.domino import DFlashDraftModel
     from dominospec.train.build import draft_config
     from dominospec.train.module import DraftLitModule
 
     torch.manual_seed(0)
-    draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
-    module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train, layer_ids=layer_ids,
+    draft_p = dataclasses.replace(params.draft, num_layers=layers or params.draft.num_layers)
+    train_p = dataclasses.replace(params.train, loss_vocab="sampled" if objective == "sampled" else "full",
+                                  num_anchors=anchors or params.train.num_anchors)
+    draft = DFlashDraftModel(draft_config(draft_p, target, layer_ids, mask_token_id=16))
+    module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, train_p, layer_ids=layer_ids,
                             loss_vocab=vocab)
     return module, torch.optim.AdamW(draft.parameters(), lr=params.train.lr)
 
@@ -83,26 +106,36 @@ def reference_loss(base, final, labels, mask, weights, lam):
 def step(module, optimizer, batch, timer: Timer, generator, reference: bool = False) -> float:
     """One optimiser step of the train stage's objective, phase by phase -> loss."""
     from dominospec.train.objective import domino_loss, make_blocks
+    from dominospec.train.sampled_vocab import sample_vocabulary
 
     draft, cfg = module.draft, module.draft.config
     with timer.phase("blocks"):
         blocks = make_blocks(batch["input_ids"], batch["loss_mask"], module.hp.num_anchors, cfg.block_size,
                              cfg.mask_token_id, generator)
+        sampled = None
+        if module.hp.loss_vocab == "sampled":
+            sampled = sample_vocabulary(blocks.labels, blocks.label_mask, module.lm_head_weight.shape[0],
+                                        module.hp.loss_negatives, generator)
     B, N, Bk = blocks.block_ids.shape
-    vocab = module.loss_vocab_ids
+    vocab = module.loss_vocab_ids if sampled is None else sampled.ids
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with timer.phase("backbone"):
             z = draft(module.embed(blocks.block_ids.view(B, N * Bk)), blocks.positions.view(B, N * Bk),
                       target_features=batch["target_hidden"], attention_mask=blocks.attention_mask)
             z = z.view(B * N, Bk, -1)
         with timer.phase("lm_head"):
-            base = (module.lm_head if vocab is None else module.loss_lm_head)(z)
+            if sampled is not None:
+                base = torch.nn.functional.linear(z, module.lm_head_weight.index_select(0, vocab).to(z.dtype))
+            else:
+                base = (module.lm_head if vocab is None else module.loss_lm_head)(z)
         with timer.phase("head"):
             states = draft.gru_states(module.embed(blocks.gru_ids.view(B * N, Bk)))
             final = draft.final_logits(base, z, states, vocab)
     with timer.phase("loss"):
         labels, mask = blocks.labels.view(B * N, Bk), blocks.label_mask.view(B * N, Bk)
-        if vocab is not None:
+        if sampled is not None:
+            base, final, labels = sampled.shift(base), sampled.shift(final), sampled.columns(labels)
+        elif vocab is not None:
             columns = module.loss_vocab_index[labels]
             labels, mask = columns.clamp(min=0), mask & (columns >= 0)
         if reference:
@@ -130,7 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--conversations", type=int, help="train sequences (default: cache.max_train_conversations)")
-    parser.add_argument("--variants", default="reference,full,data")
+    parser.add_argument("--variants", default="reference,full,data,sampled/b16")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -140,32 +173,38 @@ def main() -> None:
     sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
     vocab = loss_vocabulary(sequences)
     variants = args.variants.split(",")
-    setups = {v: build(params, target, layer_ids, vocab if v == "data" else None) for v in variants}
+    shapes = {v: parse_variant(v, params) for v in variants}  # objective, batch, anchors, layers
+    setups = {v: build(params, target, layer_ids, vocab if o == "data" else None, o, layers, anchors)
+              for v, (o, _, anchors, layers) in shapes.items()}
     timers = {v: Timer() for v in variants}
     feature_dim = len(layer_ids) * target.hidden_size
-    bs = params.train.batch_size
     for i in range(args.steps + 1):  # step 0 warms up (allocator, oneDNN primitives)
-        items = [sequences[(i * bs + b) % len(sequences)] for b in range(bs)]
-        batch = collate(items)
-        batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
         for v in variants:
+            objective, bs, _, _ = shapes[v]
+            items = [sequences[(i * bs + b) % len(sequences)] for b in range(bs)]
+            batch = collate(items)
+            batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
             timer = timers[v] if i else Timer()
             module, optimizer = setups[v]
-            step(module, optimizer, batch, timer, torch.Generator().manual_seed(i), reference=v == "reference")
+            step(module, optimizer, batch, timer, torch.Generator().manual_seed(i), reference=objective == "reference")
 
-    blocks = bs * params.train.num_anchors
     print(f"{datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__} "
-          f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}; "
-          f"{blocks} blocks x B={params.draft.block_size} per step, {args.steps} steps")
-    print("\n| objective | " + " | ".join(f"{p} ms" for p in PHASES) + " | step ms | blocks/s |")
-    print("|---|" + "---|" * (len(PHASES) + 2))
+          f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}, "
+          f"{params.train.loss_negatives} sampled negatives; B={params.draft.block_size}, {args.steps} steps")
+    print("\n| objective | sequences | anchors | layers | " + " | ".join(f"{p} ms" for p in PHASES)
+          + " | step ms | blocks/s |")
+    print("|---|---|---|---|" + "---|" * (len(PHASES) + 2))
     for v in variants:
+        objective, bs, anchors, layers = shapes[v]
         ms = {p: timers[v].ms[p] / args.steps for p in PHASES}
         total = sum(ms.values())
         name = {"reference": f"full vocabulary ({target.identity.vocab_size}), fp32 F.cross_entropy",
                 "full": f"full vocabulary ({target.identity.vocab_size}), chunked CE",
-                "data": f"loss vocabulary ({vocab.numel()}), chunked CE"}[v]
-        print(f"| {name} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES) + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
+                "data": f"loss vocabulary ({vocab.numel()}), chunked CE",
+                "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE"}[objective]
+        blocks = bs * anchors
+        print(f"| {name} | {bs} | {anchors} | {layers} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
+              + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

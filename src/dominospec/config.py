@@ -75,6 +75,7 @@ class RegenerateParams:
 
     enabled: bool
     max_conversations: Optional[int]
+    original_conversations: int  # train conversations after the rewritten ones, kept with their original replies (0 = none)
     max_val_conversations: Optional[int]  # val conversations rewritten too (0: val copied unchanged)
     max_turns: Optional[int]  # assistant turns kept and rewritten per conversation (null: all)
     max_new_tokens: int
@@ -100,6 +101,7 @@ class CacheParams:
     batch_tokens: int
     shard_tokens: int
     dtype: Literal["bfloat16", "float16", "float32"]
+    compute_dtype: Optional[Literal["float32", "bfloat16", "float16"]]  # the target's dtype for the features; null = target.dtype
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class TrainParams:
     loss: Literal["ce", "kd"]  # ce: hard labels; kd: the target's own next-token distribution (online only)
     labels: Literal["data", "target"]  # data: the data's tokens on assistant turns; target: the target's greedy token at every position
     init_from_target: bool  # draft layers start as copies of the target layers after the deepest feature
-    loss_vocab: Literal["full", "data"]  # data: the training softmax spans only tokens the train split supervises
+    loss_vocab: Literal["full", "data", "sampled"]  # data: only tokens the train split supervises; sampled: the step's labels + loss_negatives random tokens (log-corrected)
+    loss_negatives: int  # loss_vocab: sampled: uniform negatives per step (>= 1; >= V means the full softmax)
     val_every_steps: int
     val_max_sequences: int
     checkpoint_every_steps: int

@@ -34,7 +34,8 @@ def _manifest(**changes) -> fmt.Manifest:
 
 def _cache_params(n: int, layer_ids=None) -> CacheParams:
     return CacheParams(num_feature_layers=n, layer_ids=layer_ids, max_train_conversations=None,
-                       max_val_conversations=None, batch_tokens=64, shard_tokens=128, dtype="bfloat16")
+                       max_val_conversations=None, batch_tokens=64, shard_tokens=128, dtype="bfloat16",
+                       compute_dtype=None)
 
 
 def test_manifest_round_trip(tmp_path):

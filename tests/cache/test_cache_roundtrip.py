@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def test_round_trip_equals_direct_forward(tmp_path, tiny_targets, loaded_targets
     params = load_params(write_params(
         tmp_path / "params.yaml", tiny_targets[arch], tmp_path,
         num_feature_layers=n, layer_ids=None, max_train_conversations=20, max_val_conversations=None,
-        batch_tokens=96, shard_tokens=200, dtype=dtype,
+        batch_tokens=96, shard_tokens=200, dtype=dtype, compute_dtype=None,
     ))
     cache(params)
 
@@ -149,3 +150,32 @@ def test_other_rows_under_the_same_meta_are_another_cache(tmp_path, tiny_targets
     assert second.fingerprint != first.fingerprint and second.complete
     metrics = json.loads((tmp_path / "metrics" / "cache.json").read_text())
     assert metrics["computed_tokens"] == metrics["tokens"]
+
+
+def test_a_bf16_target_forward_is_a_cache_of_its_own(tmp_path, tiny_targets, loaded_targets):
+    """cache.compute_dtype: bfloat16 -> the features come from the target cast to bf16: close to the
+    float32 target's (bf16 rounding through two layers), not equal to them, recorded in cache.json,
+    and under another fingerprint, so a train run on the fp32 cache does not resume on this one."""
+    target = loaded_targets["llama"]
+    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES)
+    readers = {}
+    for compute in ("float32", "bfloat16"):
+        root = tmp_path / compute
+        root.mkdir()
+        params = load_params(write_params(
+            root / "params.yaml", tiny_targets["llama"], root, num_feature_layers=3, layer_ids=None,
+            max_train_conversations=8, max_val_conversations=None, batch_tokens=96, shard_tokens=200,
+            dtype="float32", compute_dtype=compute,
+        ))
+        params = dataclasses.replace(params, paths=dataclasses.replace(params.paths, regenerated=str(tmp_path / "regenerated")))
+        cache(params)
+        readers[compute] = CacheReader(params.paths.cache, "train")
+        assert json.loads((root / "metrics" / "cache.json").read_text())["compute_dtype"] == compute
+    full, half = readers["float32"], readers["bfloat16"]
+    assert full.manifest.fingerprint != half.manifest.fingerprint
+    errors = []
+    for i in range(len(full)):
+        a, b = full[i]["target_hidden"], half[i]["target_hidden"]
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        errors.append(((a - b).norm() / a.norm()).item())
+    assert 0 < max(errors) < 0.05  # bf16 arithmetic (8 mantissa bits) through a 2-layer target

@@ -19,7 +19,7 @@ from dominospec.data.dataset import read_dataset
 from dominospec.data.prepare import prepare
 from dominospec.data.regenerate import regenerate, work_dir
 
-REGENERATE = {"enabled": True, "max_conversations": 6, "max_val_conversations": 0, "max_turns": None,
+REGENERATE = {"enabled": True, "max_conversations": 6, "original_conversations": 0, "max_val_conversations": 0, "max_turns": None,
               "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95, "batch_size": 1, "seed": 3,
               "num_threads": None}  # fmt: skip
 
@@ -139,7 +139,8 @@ def test_batches_change_nothing_but_speed(prepared_params):
     "bad, key",
     [({"batch_size": 0}, "batch_size"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"loop_repeats": 1}, "loop_repeats"),
      ({"loop_ngram": -2}, "loop_ngram"), ({"top_p": 0.0}, "top_p"), ({"max_conversations": 0}, "max_conversations"),
-     ({"max_turns": 0}, "max_turns"), ({"max_val_conversations": -1}, "max_val_conversations")],
+     ({"max_turns": 0}, "max_turns"), ({"max_val_conversations": -1}, "max_val_conversations"),
+     ({"original_conversations": -1}, "original_conversations")],
 )  # fmt: skip
 def test_bad_params_are_named_in_the_error(prepared_params, tmp_path, bad, key):
     params, _ = prepared_params
@@ -173,6 +174,51 @@ def test_val_is_rewritten_on_request_and_max_turns_keeps_the_first_turns(prepare
         assert row["messages"][-1]["content"] != first_reply
     assert _rows(regenerated["test"]) == _rows(prepared["test"])
     assert meta["regenerated_val"] == 2 and metrics["val"]["conversations"] == 2 and metrics["max_turns"] == 1
+
+
+def test_original_conversations_follow_the_rewritten_ones_unchanged(prepared_params, reference):
+    """original_conversations: 3 -> train = the reference run's 6 rewritten conversations, then the
+    next 3 prepared train rows exactly as prepared (max_turns null: every turn); counted in
+    meta.json and the metrics. Asking for more than remain keeps what there is."""
+    params, root = prepared_params
+    _, prepared, rewritten, _, _ = reference
+    for asked, out in ((3, root / "originals"), (10_000, root / "all_originals")):  # the e2e test covers "none left"
+        run = load_params(write_params(root / f"originals_{asked}.yaml", out,
+                                       target={"model": params.target.model, "gguf_file": None},
+                                       regenerate={**REGENERATE, "original_conversations": asked},
+                                       paths={"prepared": params.paths.prepared}))  # fmt: skip
+        regenerate(run)
+        train, meta = read_dataset(run.paths.regenerated)
+        rows = _rows(train["train"])
+        kept = min(asked, len(prepared["train"]) - 6)
+        assert 0 < kept and len(rows) == len(rewritten["train"]) + kept
+        assert rows[: len(rewritten["train"])] == _rows(rewritten["train"])
+        assert rows[len(rewritten["train"]):] == _rows(prepared["train"].select(range(6, 6 + kept)))
+        metrics = json.loads((out / "metrics" / "regenerate.json").read_text())
+        assert meta["original_train"] == metrics["original_conversations"] == kept
+        assert meta["regenerated"] == metrics["conversations_regenerated"] == len(rewritten["train"])
+        assert metrics["original_skipped"] == {}
+
+
+def test_original_conversations_keep_max_turns(prepared_params):
+    """max_turns 1 -> an original conversation keeps its first user turn and its own first reply,
+    rendered and masked as prepare renders them (the loss mask covers that reply only)."""
+    params, root = prepared_params
+    out = root / "originals_first_turn"
+    run = load_params(write_params(root / "originals_first_turn.yaml", out,
+                                   target={"model": params.target.model, "gguf_file": None},
+                                   regenerate={**REGENERATE, "max_turns": 1, "original_conversations": 3},
+                                   paths={"prepared": params.paths.prepared}))  # fmt: skip
+    regenerate(run)
+    prepared, _ = read_dataset(params.paths.prepared)
+    train, _ = read_dataset(run.paths.regenerated)
+    rows, source = _rows(train["train"])[-3:], _rows(prepared["train"].select(range(6, 9)))
+    for row, original in zip(rows, source):
+        roles = [m["role"] for m in row["messages"]]
+        assert row["id"] == original["id"] and roles.count("assistant") == 1 and roles[-1] == "assistant"
+        assert row["messages"] == original["messages"][: len(row["messages"])]  # the original reply, unchanged
+        assert row["input_ids"] == original["input_ids"][: len(row["input_ids"])]  # a prefix of the full rendering
+        assert 0 < sum(row["loss_mask"]) <= sum(original["loss_mask"])
 
 
 def test_disabled_run_copies_every_split_unchanged(prepared_params):

@@ -118,6 +118,24 @@ def test_loss_vocab_data_trains_only_the_supervised_tokens_head_rows(tiny_cache,
     assert metrics["steps"] == 6 and metrics["val_walk_acceptance_length"] >= 1.0
 
 
+def test_sampled_vocabulary_trains_through_the_stage_and_validates_on_the_full_vocabulary(tiny_cache, tmp_path):
+    """train.loss_vocab: sampled -> the stage trains (the loss falls from its first steps) and its
+    validation metrics are those of the full vocabulary; a sampled softmax with kd is refused."""
+    from dominospec.train.stage import train
+
+    train(load_params(run_params(tiny_cache, tmp_path, loss_vocab="sampled", loss_negatives=8, labels="target",
+                                 max_steps=12, lr=3e-3)))
+    losses = curve(tmp_path)
+    steps = sorted(losses)
+    assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
+    metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 12 and metrics["val_walk_acceptance_length"] >= 1.0 and metrics["val_loss"] > 0
+    with pytest.raises(UserError, match="train.loss_vocab: sampled .* train.loss: kd"):
+        train(load_params(run_params(tiny_cache, tmp_path / "kd", loss_vocab="sampled", loss="kd", features="online")))
+    with pytest.raises(UserError, match="train.loss_negatives must be >= 1"):
+        train(load_params(run_params(tiny_cache, tmp_path / "neg", loss_vocab="sampled", loss_negatives=0)))
+
+
 def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
     """The loss vocabulary spans the data's assistant tokens; the target's labels can lie outside it."""
     from dominospec.train.stage import train

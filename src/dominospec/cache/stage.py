@@ -123,6 +123,8 @@ def cache(params: Params) -> None:
             f"{params.paths.regenerated} was tokenized for target {source.meta.get('target', {}).get('name')!r}, "
             f"but target.model loads {target.identity.name!r}: re-run prepare/regenerate for this target"
         )
+    if cp.compute_dtype is not None:  # features need not be bit-exact: bf16 runs 3.5x fp32 on an AVX-512 BF16 CPU
+        target.model.to(fmt.DTYPES[cp.compute_dtype])
     loaded = time.perf_counter()
     layer_ids = resolve_layer_ids(cp, target.num_layers)
     plans = {split: plan_shards(source.lengths[split], cp.shard_tokens) for split in fmt.SPLITS}
@@ -156,7 +158,8 @@ def cache(params: Params) -> None:
                 shard = write_shard(root, split, index, tensors, seconds=time.perf_counter() - shard_started)
                 manifest = manifest.with_shard(split, shard)
                 fmt.write_manifest(root, manifest)
-    run = {"computed_tokens": remaining, "seconds": time.perf_counter() - started, "load_seconds": loaded - started}
+    run = {"computed_tokens": remaining, "seconds": time.perf_counter() - started, "load_seconds": loaded - started,
+           "compute_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch.")}
     write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, run)
 
 
@@ -167,6 +170,7 @@ def planned_manifest(
     content = {  # the cache settings that change what the shards hold
         "layer_ids": layer_ids,
         "dtype": params.dtype,
+        "compute_dtype": params.compute_dtype,
         "shard_tokens": params.shard_tokens,
         "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
         "rows": source.digests,
@@ -211,6 +215,7 @@ def write_metrics(path: Path, root: Path, manifest: fmt.Manifest, run: dict[str,
         "layer_ids": list(manifest.layer_ids),
         "feature_dim": manifest.feature_dim,
         "dtype": manifest.dtype,
+        "compute_dtype": run.get("compute_dtype"),  # the target's dtype for the features (cache.compute_dtype)
         "splits": {
             split: {"sequences": info.sequences, "tokens": info.tokens, "shards": len(info.shards)}
             for split, info in manifest.splits.items()

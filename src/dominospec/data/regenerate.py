@@ -9,7 +9,10 @@ A draft trained on the target's own replies accepts more than one trained on som
               --original order, render + mask (as prepare)--> paths.regenerated
               the first `max_val_conversations` of val the same way (0: val copied unchanged), so the
               train stage's engine walk measures τ on the target's own replies; test is copied
-              unchanged; train (and a rewritten val) hold only the rewritten conversations.
+              unchanged; train (and a rewritten val) hold only the rewritten conversations, followed
+              by the next `original_conversations` train conversations with their original replies,
+              cut to the same `max_turns` (with train.labels: target the draft learns the target's own
+              next token on every position of them: a cache-stage forward, and no decoding).
               `max_turns` keeps the first n assistant turns of each conversation (null: all).
               Renderings stop at the max_length prepare used (meta.json).
 
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, concatenate_datasets
 from tqdm import tqdm
 
 from dominospec.errors import UserError
@@ -82,8 +85,11 @@ def regenerate(params: Params) -> None:
             continue  # val copied unchanged
         out[split], report[split] = _regenerate_split(target, params, meta, splits[split], split, limit, max_length,
                                                       mask_token_id)
+    rewritten = len(out["train"])
+    out["train"], originals, original_skipped = with_originals(out["train"], splits["train"], cfg, target.tokenizer,
+                                                               max_length, mask_token_id)
     out = DatasetDict(out)
-    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": len(out["train"]),
+    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": rewritten, "original_train": originals,
                                                   "regenerated_val": len(out["val"]) if "val" in report else 0})
     shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
     train_report = report["train"]
@@ -95,7 +101,9 @@ def regenerate(params: Params) -> None:
         metrics_path,
         {
             "enabled": True,
-            "conversations_regenerated": len(out["train"]),
+            "conversations_regenerated": rewritten,
+            "original_conversations": originals,  # train rows after the rewritten ones, original replies
+            "original_skipped": dict(sorted(original_skipped.items())),
             "conversations_resumed": train_report["resumed"],
             "assistant_turns_regenerated": sum(e["assistant_turns"] for e in entries),
             **{key: sum(e[key] for e in entries) for key in COUNTS},
@@ -205,6 +213,27 @@ def length_sorted_chunks(tokenizer: Any, train: Dataset, count: int, batch_size:
     return [order[i : i + batch_size] for i in range(0, count, batch_size)]
 
 
+def with_originals(rewritten: Dataset, train: Dataset, cfg: RegenerateParams, tokenizer: Any, max_length: int,
+                   mask_token_id: int) -> tuple[Dataset, int, Counter]:
+    """The rewritten train split + the `original_conversations` prepared train rows that follow the
+    rewritten ones (rows max_conversations..), original replies, cut to `max_turns` and rendered
+    as prepare renders -> (train split, originals kept, skipped reason -> count)."""
+    start = len(train) if cfg.max_conversations is None else min(cfg.max_conversations, len(train))
+    stop = min(len(train), start + cfg.original_conversations)
+    if stop <= start:  # nothing asked, or every train conversation was rewritten
+        return rewritten, 0, Counter()
+    rows = train.select(range(start, stop))
+    entries = [{"id": r["id"], "messages": through_last_reply(first_turns(r["messages"], cfg.max_turns))} for r in rows]
+    originals, skipped = _render(tokenizer, entries, max_length, mask_token_id)
+    return concatenate_datasets([rewritten.cast(FEATURES), originals.cast(FEATURES)]), len(originals), skipped
+
+
+def through_last_reply(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Messages -> those up to and including the last assistant turn (a trailing prompt has no reply to learn)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return messages[: last + 1]
+
+
 def work_dir(regenerated: str | Path) -> Path:
     """Where a run keeps its journal: next to the output, outside it (DVC deletes the output first)."""
     regenerated = Path(regenerated)
@@ -273,6 +302,8 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.max_turns must be at least 1 or null (all turns), got {cfg.max_turns}")
     if cfg.max_val_conversations is not None and cfg.max_val_conversations < 0:
         raise UserError(f"regenerate.max_val_conversations must be >= 0 (0 = copy val unchanged), got {cfg.max_val_conversations}")
+    if cfg.original_conversations < 0:
+        raise UserError(f"regenerate.original_conversations must be >= 0 (0 = only rewritten ones), got {cfg.original_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:

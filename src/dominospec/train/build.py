@@ -112,6 +112,11 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     if params.train.labels == "target" and params.train.loss_vocab == "data":
         raise UserError("train.loss_vocab: data spans the data's own assistant tokens, but train.labels: target "
                         "supervises the target's greedy tokens: set train.loss_vocab: full (or train.labels: data)")
+    if params.train.loss_vocab == "sampled" and params.train.loss == "kd":
+        raise UserError("train.loss_vocab: sampled estimates the softmax of hard labels, but train.loss: kd distils "
+                        "the target's whole distribution: set train.loss: ce (or train.loss_vocab: full)")
+    if params.train.loss_negatives < 1:
+        raise UserError(f"train.loss_negatives must be >= 1, got {params.train.loss_negatives}")
     if params.train.init_from_target:
         init_from_target(draft, target.model, layer_ids)
     lm_head = target.lm_head
@@ -144,7 +149,7 @@ def loss_vocab(params: Params, datamodule: Any, draft: DFlashDraftModel) -> Opti
 
     The rows of W2 outside it would never get a gradient, so they start (and stay) zero: the
     exported head adds no correction to a token it never learnt about, instead of init noise."""
-    if params.train.loss_vocab == "full":
+    if params.train.loss_vocab in ("full", "sampled"):  # sampled: drawn per step (train/sampled_vocab.py)
         return None
     from dominospec.train.objective import loss_vocabulary
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dominospec.config import TrainParams
 from dominospec.models.domino import DFlashDraftModel
+from dominospec.train.sampled_vocab import sample_vocabulary
 from dominospec.train.walk import WalkStats, walk_sequence
 from dominospec.train.objective import (
     curriculum_lambda,
@@ -177,7 +178,15 @@ class DraftLitModule(L.LightningModule):
             teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
         labels, label_mask = blocks.labels, blocks.label_mask
         vocab = self.loss_vocab_ids
-        if vocab is None:
+        if self.hp.loss_vocab == "sampled":  # logits [B, N, Bk, V'] over this step's sampled vocabulary
+            sampled = sample_vocabulary(labels, label_mask, self.lm_head_weight.shape[0], self.hp.loss_negatives,
+                                        self._generator(-1 - self.global_step))
+            rows = self.lm_head_weight.index_select(0, sampled.ids)  # [V', H]
+            base, final = draft_block_logits(self.draft, self.embed, lambda z: F.linear(z, rows.to(z.dtype)), feats,
+                                             blocks, vocab_ids=sampled.ids)
+            base, final = sampled.shift(base), None if final is None else sampled.shift(final)
+            labels = sampled.columns(labels)
+        elif vocab is None:
             base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
         else:  # logits [B, N, Bk, V'], labels as columns of the loss vocabulary
             base, final = draft_block_logits(self.draft, self.embed, self.loss_lm_head, feats, blocks, vocab_ids=vocab)
