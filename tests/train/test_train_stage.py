@@ -145,11 +145,14 @@ def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):
+@pytest.mark.parametrize("softmax", [dict(loss_vocab="full"), dict(loss_vocab="sampled", loss_negatives=16)])
+def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path, softmax):
+    """A resumed run's steps equal the uninterrupted run's, also with a sampled softmax (16 of the
+    tiny vocabulary's 300 tokens a step: the set is drawn from a generator seeded by step)."""
     from dominospec.train.stage import train
 
     full = tmp_path / "full"
-    train(load_params(run_params(tiny_cache, full)))
+    train(load_params(run_params(tiny_cache, full, **softmax)))
     reference = curve(full)
 
     # A run that stopped right after its step-2 checkpoint: last.ckpt is that checkpoint.
@@ -160,7 +163,7 @@ def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path):
         (resumed / "checkpoints" / later).unlink()
     shutil.copy(resumed / "checkpoints" / "step-000002.ckpt", resumed / "checkpoints" / "last.ckpt")
     shutil.copy(full / "mlflow.db", resumed / "mlflow.db")
-    train(load_params(run_params(tiny_cache, resumed)))
+    train(load_params(run_params(tiny_cache, resumed, **softmax)))
     again = curve(resumed)
     # the resumed run's minutes include the part before the checkpoint it resumed from
     minutes = json.loads((resumed / "metrics" / "train.json").read_text())["train_minutes"]
