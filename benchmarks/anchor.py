@@ -6,6 +6,8 @@ For the first N prompts of each suite, greedy, 2 threads, every setup runs promp
     hf prompt lookup   `model.generate(ids, max_new_tokens, prompt_lookup_num_tokens=7)`, same stock copy
     ar / ngram / domino  our engine on its own copy prepared by params `engine:` (packed linears, bf16 draft,
                        pool, `evaluate.num_draft`); domino only with --draft DIR or --random-draft
+    domino no fork     with --fork-too: domino with `engine.ngram_fork` off (a lookup hit replaces the
+                       chain), interleaved with the forking domino of params
     ... plain          with --plain-too: the same three on the stock copy (`engine.linear: torch`), so one
                        run says which linear kernels serve each mode best on this machine
 
@@ -14,7 +16,7 @@ generate and over our ar, τ (our modes), exact match with hf generate and with 
 modes every divergence from our ar with the target's top-2 logit gap there (eval.report).
 
     python benchmarks/anchor.py [--params params.yaml] [--prompts 8] [--new-tokens 128] [--dtype bfloat16]
-        [--draft DIR | --random-draft] [--suites sharegpt,humaneval] [--json out.json]
+        [--draft DIR | --random-draft] [--suites sharegpt,humaneval] [--fork-too] [--json out.json]
 
 --dtype bfloat16 is the bf16 target mode: every setup runs the bf16 target, exact match is then
 against bf16 AR, and the divergences' top-2 gaps show whether they happen only at near-ties.
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--random-draft", action="store_true")
     parser.add_argument("--suites", default="sharegpt,humaneval")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--fork-too", action="store_true",
+                        help="also run domino with engine.ngram_fork off, interleaved (needs --draft or --random-draft)")
     parser.add_argument("--plain-too", action="store_true",
                         help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
     args = parser.parse_args()
@@ -72,6 +76,9 @@ def main() -> None:
         else:
             draft = load_draft(args.draft, ours)
         engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
+        if args.fork_too:
+            engines["domino no fork"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
+                                                   dataclasses.replace(options, ngram_fork=False))
     if args.plain_too:  # the same modes on the stock target (nn.Linear as loaded), the draft path unpacked too
         plain = dataclasses.replace(options, packed=False)
         engines["ar plain"] = SpecEngine(stock, None, "ar")

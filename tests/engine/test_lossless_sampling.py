@@ -84,6 +84,7 @@ SAMPLINGS = [
     ("domino", Sampling(temperature=1.5, top_p=0.9), BF16_POOL),
     ("ngram", Sampling(temperature=1.0), EngineOptions(ngram_max=2)),  # point-mass drafts from prompt lookup
     ("domino", Sampling(temperature=1.0), EngineOptions(ngram_assist=True, ngram_max=2)),  # lookup hits, else the draft
+    ("domino", Sampling(temperature=1.0), EngineOptions(ngram_assist=True, ngram_fork=True, ngram_max=2)),  # a fork is greedy-only: one branch
 ]
 
 

@@ -32,6 +32,7 @@ def engine_options(cfg: EngineParams, linear: Optional[str] = None) -> EngineOpt
         ngram_max=cfg.ngram_max,
         ngram_num_draft=cfg.ngram_num_draft,
         ngram_assist=cfg.ngram_assist,
+        ngram_fork=cfg.ngram_fork,
         acceptance_window=cfg.acceptance_window,
         head_kernel=head_kernel(cfg.head_kernel),
         static_cache=graphs,

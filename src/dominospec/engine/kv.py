@@ -4,11 +4,16 @@
 length to keep (and x < 0 as rows to drop); newer ones accept only x <= 0, rows to drop. A
 negative count means "drop that many rows" on both, so `crop_kv` only ever passes one, and
 never 0 (which the older releases read as "keep nothing").
+
+`move_rows` copies cached rows into earlier slots in place (a fork round's winning branch, see
+engine.fork), on the dynamic and the static cache alike.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 
 def kv_length(cache: Any) -> int:
@@ -32,3 +37,21 @@ def cache_argument(model: Any) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def move_rows(cache: Any, start: int, rows: list[int]) -> None:
+    """Rows start + rows[i] -> start + i, for i in order, in every layer's keys and values (a fork
+    round's winning branch into place; rows ascending, rows[i] >= i). The caller crops after."""
+    if rows == list(range(len(rows))):
+        return
+    source = torch.tensor([start + r for r in rows], device=_layer_tensors(cache)[0].device)
+    for tensor in _layer_tensors(cache):  # [batch, heads, rows, head_dim]
+        tensor[:, :, start:start + len(rows)] = tensor.index_select(2, source)
+
+
+def _layer_tensors(cache: Any) -> list[Any]:
+    """Every layer's key and value tensors: `cache.layers[i].keys / .values` (transformers >= 4.54),
+    else the older `key_cache` / `value_cache` lists."""
+    if getattr(cache, "layers", None):
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return list(cache.key_cache) + list(cache.value_cache)

@@ -15,6 +15,12 @@ rho_k = P(d_k accepted | d_1..d_{k-1} accepted) = (hit_k + w * prior_k) / (tried
 prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good as the one before
 it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the counts fade, the
 prior comes back and a probe round is tried again.
+
+A fork round (engine.fork) verifies a chain of K_d drafts and a lookup of K_l tokens together and
+emits what the better branch accepted: E = 1 + sum_k P(either accepts >= k), estimated as if the two
+were independent, 1 - (1 - a_k^d)(1 - a_k^l). `choose_fork` picks (K_d, K_l) over the whole grid,
+so it drafts beside a lookup only when the expected gain pays for the draft forward and the wider
+verify, and falls back to either branch alone (or to a plain step) otherwise.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ class RoundCost:
     def lookup_ms(self, k: int) -> float:
         """Cost of a round verifying k prompt-lookup tokens: the verify alone (no draft forward, no chain)."""
         return self.verify[k]
+
+    def fork_ms(self, kd: int, kl: int) -> float:
+        """Cost of a fork round (engine.fork): a chain of kd drafts and a lookup of kl tokens in one verify."""
+        drafting = self.draft + kd * self.rollout_step if kd else 0.0
+        return drafting + self.verify[kd + kl]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -87,3 +98,19 @@ def choose_k(cost: RoundCost, survival: list[float], k_max: int, lookup: bool = 
     """-> the K in 0..k_max with the most expected tokens per ms (of a lookup round when `lookup`)."""
     rates = expected_rates(cost, survival, k_max, lookup)
     return max(range(len(rates)), key=rates.__getitem__)
+
+
+def choose_fork(cost: RoundCost, chain: list[float], lookup: list[float], kd_max: int, kl_max: int) -> tuple[int, int]:
+    """Survivals a_k of the draft's chain and of the lookup -> the (K_d, K_l), K_d <= kd_max and
+    K_l <= kl_max, with the most expected tokens per ms of a fork round (module docstring)."""
+    best, best_rate = (0, 0), 1.0 / cost.round_ms(0)
+    for kd in range(kd_max + 1):
+        for kl in range(kl_max + 1):
+            if kd == kl == 0:
+                continue
+            expected = 1.0 + sum(1.0 - (1.0 - (chain[k] if k < kd else 0.0)) * (1.0 - (lookup[k] if k < kl else 0.0))
+                                 for k in range(max(kd, kl)))
+            rate = expected / cost.fork_ms(kd, kl)
+            if rate > best_rate:
+                best, best_rate = (kd, kl), rate
+    return best

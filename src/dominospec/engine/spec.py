@@ -13,6 +13,10 @@ draft forward), and drafts otherwise: lookups are free, and on copying stretches
 A lookup proposes up to `ngram_num_draft` tokens whatever the block size (as the `ngram` mode
 does), and auto-K keeps two acceptance models, one for lookups and one for the draft's chains,
 each choosing its own K against its own round cost (a lookup round pays no draft forward).
+With `ngram_fork` as well (greedy), a round with a lookup hit drafts anyway and verifies both, the
+chain and the lookup, as two branches of one target forward (engine.fork), keeping the branch the
+target accepts further; auto-K then chooses (K_d, K_l) together (`choose_fork`), which may drop
+either branch.
 
 A round (draft modes). `start` is the position of the last committed token x_start, which has no
 target KV yet; at the start of every round the target KV holds exactly positions 0..start-1, and
@@ -21,7 +25,8 @@ the same rows (invariant checked).
   0. K, the drafts to verify: fixed (`num_draft`), or chosen by auto-K (engine.policy) from the
      measured acceptance by position and the measured round cost; K = 0 is a plain target step
      (no draft forward). Near the token budget K shrinks to what can still be emitted. With
-     ngram_assist a prompt-lookup hit (its own K) replaces steps 1-2.
+     ngram_assist a prompt-lookup hit (its own K) replaces steps 1-2; with ngram_fork it is
+     verified beside the chain in step 3, as a second branch.
   1. draft forward over `[x_start, MASK x (B-1)]` at positions start..start+B-1, the pending
      features appended first -> z [B, H]; base logits u = lm_head(z[:K]) [K, V], all in the draft
      path's dtype (`EngineOptions.draft_dtype`: only verification must be exact).
@@ -48,11 +53,12 @@ import torch
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
+from dominospec.engine.fork import accept_fork, fork_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
-from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_k
+from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_fork, choose_k
 from dominospec.engine.rollout import DraftChain, draft_chain
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stats import Generation, GenerationStats
@@ -79,6 +85,7 @@ class EngineOptions:
     ngram_num_draft: int = 7  # prompt lookup: most tokens proposed per round when num_draft is None
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
+    ngram_fork: bool = False  # with ngram_assist, greedy: ... verifies it beside the draft's chain, a two-branch tree (engine.fork)
     head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
     static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
     cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
@@ -169,8 +176,15 @@ class SpecEngine:
             self.lookup_acceptance = AcceptanceModel(self.lookup_k_max, self.options.acceptance_window)
 
     @property
+    def forking(self) -> bool:
+        """Draft modes with ngram_assist and ngram_fork: a lookup hit may be verified beside the chain."""
+        return self.draft is not None and self.lookup_k_max > 0 and self.options.ngram_fork
+
+    @property
     def max_verify(self) -> int:
-        """The most drafts one round can verify: a chain of K <= B, or a prompt lookup."""
+        """The most drafts one round can verify: a chain of K <= B, or a prompt lookup (both, forking)."""
+        if self.forking:
+            return self.num_draft + self.lookup_k_max
         return max(self.num_draft, self.lookup_k_max)
 
     def _draft_path(self, draft: DFlashDraftModel):
@@ -295,20 +309,12 @@ class SpecEngine:
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         x_start = torch.tensor([tokens[-1]], device=self.device)
         t0 = self._now()
-        K, chain, drafted, lookup = 0, None, False, False
-        if state.index is not None:  # prompt lookup first (ngram mode, or assist): no draft forward
-            proposal = state.index.propose(min(self._choose_k(lookup=True), room))
-            if proposal:
-                K, lookup = len(proposal), True
-                chain = DraftChain(torch.tensor(proposal, device=self.device), None, torch.ones(K))
-                stats.lookup_rounds += self.mode != "ngram"
-        if not lookup and self.draft is not None:
-            K = min(self._choose_k(), room)
-            if K > 0:
-                z, base_logits = self._draft_forward(state, x_start, start, K)
-                drafted = True
+        K, lookup = self._plan(state, room, sampling.greedy)  # drafts to chain, lookup tokens to verify
+        chain, L = None, len(lookup)
+        if K > 0:
+            z, base_logits = self._draft_forward(state, x_start, start, K)
         t1 = self._now()
-        if drafted:
+        if K > 0:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
                                 self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
                                 kernels=self.head_kernels, graphs=self.head_graphs)
@@ -316,30 +322,70 @@ class SpecEngine:
         t2 = self._now()
 
         draft_tokens = chain.tokens[:K] if K else x_start[:0]
-        logits, features = state.kv.forward(torch.cat([x_start, draft_tokens])[None], keep=K + 1)
-        logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
-        if sampling.greedy:
-            n, nxt = accept_greedy(draft_tokens, logits)
+        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)
+        if K and L:  # a fork: both branches in one forward (greedy only, see _plan)
+            logits, features = state.kv.forward(torch.cat([x_start, draft_tokens, lookup_tokens])[None],
+                                                keep=1 + K + L, tree=fork_tree(K, L, self.device))
+            forked = accept_fork(draft_tokens, lookup_tokens, logits[0])
+            n, nxt, rows = forked.accepted, forked.next_token, forked.rows
+            accepted = lookup_tokens[:n] if forked.lookup_won else draft_tokens[:n]
+            stats.fork_rounds += 1
+            stats.fork_lookup_wins += forked.lookup_won
         else:
-            n, nxt = accept_sampled(draft_tokens, self._draft_probs(chain, K, logits.shape[-1]),
-                                    sampling.probs(logits), generator)
-        proposed = draft_tokens[:n].tolist() + [nxt]
+            verified = lookup_tokens if L else draft_tokens  # one chain: the draft's, or the lookup
+            logits, features = state.kv.forward(torch.cat([x_start, verified])[None], keep=K + L + 1)
+            logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
+            if sampling.greedy:
+                n, nxt = accept_greedy(verified, logits)
+            else:
+                q = self._draft_probs(chain, K, logits.shape[-1]) if K else self._draft_probs(None, L, logits.shape[-1], verified)
+                n, nxt = accept_sampled(verified, q, sampling.probs(logits), generator)
+            accepted, rows = verified[:n], list(range(n + 1))
+            stats.lookup_rounds += L > 0 and self.mode != "ngram"
+        proposed = accepted.tolist() + [nxt]
         m, reason = self._admit(tokens, proposed, budget)
         tokens += proposed[:m]
-        state.kv.crop(start + m)  # keep x_start, d_1..d_{m-1}
+        state.kv.select(rows[:m])  # a fork's lookup branch won: its rows into place
+        state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
         if features is not None:
-            state.pending.append(features[:, :m])  # the same m rows, for the draft context
+            state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
         t3 = self._now()
 
+        n_chain = forked.accepted_draft if K and L else n
+        n_lookup = forked.accepted_lookup if K and L else n
         # by position: the draft's chains (in `ngram` mode its lookups); an assisting lookup is not the draft's
-        stats.record_round(K, n, m, by_position=not (lookup and self.mode != "ngram"))
+        if self.mode == "ngram":
+            stats.record_round(L, m, chain=(L, n))
+        else:
+            stats.record_round(K + L, m, chain=(K, n_chain) if K else None)
         if self.auto:
-            self._learn(K, n, lookup)
+            self._learn(K, n_chain, L, n_lookup)
         stats.draft_s += t1 - t0
         stats.rollout_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.draft_round_s += (t3 - t0) if K > 0 else 0.0
         return m, reason
+
+    def _plan(self, state, room: int, greedy: bool) -> tuple[int, list[int]]:
+        """-> (K, the drafts the chain will propose; the prompt-lookup tokens to verify), both 0 / []
+        for a plain step. Lookups first (`ngram` mode, ngram_assist); a hit replaces the chain, or,
+        forking (greedy), is verified beside it, with (K_d, K_l) chosen together by auto-K."""
+        lookup: list[int] = []
+        if state.index is not None:
+            fork = greedy and self.forking
+            lookup = state.index.propose(min(self.lookup_k_max if fork else self._choose_k(lookup=True), room))
+            if lookup and fork:
+                kd = min(self.num_draft, room)
+                if not self.auto:
+                    return kd, lookup
+                K, L = choose_fork(self.cost, self.acceptance.survival(), self.lookup_acceptance.survival(),
+                                   kd, len(lookup))
+                return K, lookup[:L]
+            if lookup:
+                return 0, lookup
+        if self.draft is None:
+            return 0, []
+        return min(self._choose_k(), room), []
 
     def _choose_k(self, lookup: bool = False) -> int:
         """K_max, or auto-K's choice from the measured cost and the recent acceptance, for the
@@ -350,14 +396,17 @@ class SpecEngine:
         acceptance = self.lookup_acceptance if lookup else self.acceptance
         return choose_k(self.cost, acceptance.survival(), k_max, lookup=lookup)
 
-    def _learn(self, K: int, n: int, lookup: bool) -> None:
-        """A round that verified K drafts (a lookup's or the chain's) and accepted n -> the acceptance
-        model of what proposed them; the other one only ages (every round is one step of its window)."""
-        used = self.lookup_acceptance if lookup else self.acceptance
-        used.update(K, n)
-        for model in (self.acceptance, self.lookup_acceptance):
-            if model is not None and model is not used:
-                model.update(0, 0)
+    def _learn(self, K: int, n_chain: int, L: int, n_lookup: int) -> None:
+        """A round that verified a chain of K drafts (n_chain accepted) and / or a lookup of L tokens
+        (n_lookup accepted) -> each acceptance model learns its own branch; a model whose branch was
+        not verified only ages (every round is one step of its window). In `ngram` mode the lookup
+        is the draft."""
+        if self.mode == "ngram":
+            self.acceptance.update(L, n_lookup)
+            return
+        self.acceptance.update(K, n_chain)
+        if self.lookup_acceptance is not None:
+            self.lookup_acceptance.update(L, n_lookup)
 
     def _draft_forward(self, state, x_start, start, K) -> tuple[torch.Tensor, torch.Tensor]:
         """Pending features appended, block forward -> z [K, H], base logits u [K, V] (draft dtype)."""
@@ -371,12 +420,13 @@ class SpecEngine:
         keep = torch.cumprod(chain.confidence.float(), 0) >= self.options.confidence_cut
         return int(keep.long().cumprod(0).sum())
 
-    def _draft_probs(self, chain: Optional[DraftChain], K: int, V: int) -> torch.Tensor:
-        """q [K, V] the drafts were drawn from; a prompt-lookup draft is a point mass."""
+    def _draft_probs(self, chain: Optional[DraftChain], K: int, V: int,
+                     lookup: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [K, V] the drafts were drawn from; a prompt-lookup draft (`lookup` [K]) is a point mass."""
         if K == 0:
             return torch.zeros(0, V, device=self.device)
-        if chain.probs is None:  # ngram: deterministic proposal
-            return torch.nn.functional.one_hot(chain.tokens[:K], V).float()
+        if lookup is not None:  # deterministic proposal
+            return torch.nn.functional.one_hot(lookup[:K], V).float()
         return chain.probs[:K]
 
     # ---- helpers ----------------------------------------------------------------------------

@@ -22,9 +22,12 @@ class GenerationStats:
     rounds: int = 0  # target forwards after the prefill: verify rounds (AR steps in `ar`)
     draft_rounds: int = 0  # rounds that ran the drafter (draft forward, or a prompt-lookup hit)
     lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
+    fork_rounds: int = 0  # ngram_fork: rounds that verified a lookup beside the draft's chain (engine.fork)
+    fork_lookup_wins: int = 0  # of those, rounds whose lookup branch accepted more than the chain
     proposed: int = 0  # draft tokens verified, over all rounds
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
-    # by position: the draft's own chains (ngram_assist's lookups left out; in `ngram` its lookups)
+    # by position: the draft's own chains (ngram_assist's lookups left out, a fork's chain branch in;
+    # in `ngram` its lookups)
     position_accepted: list[int] = field(default_factory=list)  # [K_max] rounds whose draft k+1 was accepted
     position_proposed: list[int] = field(default_factory=list)  # [K_max] rounds that proposed draft k+1
     prefill_s: float = 0.0
@@ -41,16 +44,17 @@ class GenerationStats:
         self.position_accepted = self.position_accepted or [0] * self.num_draft
         self.position_proposed = self.position_proposed or [0] * self.num_draft
 
-    def record_round(self, proposed: int, accepted: int, emitted: int, by_position: bool = True) -> None:
-        """One round that verified `proposed` drafts, accepted `accepted` and emitted `emitted` tokens;
-        counted by position unless not `by_position` (an assisting prompt lookup: not the draft's)."""
+    def record_round(self, proposed: int, emitted: int, chain: tuple[int, int] | None = None) -> None:
+        """One round that verified `proposed` tokens (all branches) and emitted `emitted`; `chain` =
+        (drafts, accepted) of the draft's own chain, counted by position (None: no chain ran)."""
         self.rounds += 1
         self.draft_rounds += proposed > 0
         self.proposed += proposed
         self.accepted_lengths.append(emitted)
-        if not by_position:
+        if chain is None:
             return
-        for k in range(proposed):
+        drafts, accepted = chain
+        for k in range(drafts):
             self.position_proposed[k] += 1
         for k in range(accepted):
             self.position_accepted[k] += 1

@@ -1,13 +1,16 @@
 """The target's forwards on its KV cache, as the engine runs them: prefill, verify, AR step, crop.
 
-Two interchangeable runners, both `forward(ids [1, T], keep) -> (logits [1, keep, V], features
-[1, T, n*H] or None)` at positions `length .. length+T-1` (the rows are appended), `crop(n)` to
-keep positions 0..n-1, `reset()` for a new generation:
+Two interchangeable runners, both `forward(ids [1, T], keep, tree=None) -> (logits [1, keep, V],
+features [1, T, n*H] or None)`, the rows appended after the `length` cached ones, `select(rows)`
+to move the last forward's rows `rows` into its first slots (a fork round's winning branch),
+`crop(n)` to keep positions 0..n-1, `reset()` for a new generation. Without a tree the rows are
+one chain at positions `length .. length+T-1`; a `Tree` (engine.fork) gives each row its depth
+(position length + depth) and the rows of this forward it sees, besides every cached one.
 
 - `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
 - `StaticTargetKV`: a `StaticCache` of `capacity` rows written in place, with an explicit mask
-  [1, 1, T, capacity] (row t sees columns <= its position), so every forward of T rows has one
-  fixed shape. Forwards of 1..`max_rows` rows run as CUDA graphs (engine.graphs), one per T; longer
+  [1, 1, T, capacity] (row t sees the columns before `start`, and those of its tree's visible
+  rows), so every forward of T rows has one fixed shape; the tree is an input buffer of the graph. Forwards of 1..`max_rows` rows run as CUDA graphs (engine.graphs), one per T; longer
   ones (the prefill) run eagerly on the same cache. Crop only moves `length`: stale rows past it
   are masked and overwritten by the next forward.
 
@@ -26,8 +29,9 @@ import torch
 from transformers import DynamicCache
 
 from dominospec.engine.features import FeatureTap
+from dominospec.engine.fork import Tree, chain_tree
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length
+from dominospec.engine.kv import cache_argument, crop_kv, kv_length, move_rows
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -39,6 +43,7 @@ class DynamicTargetKV:
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache_arg = cache_argument(model)
         self.cache = DynamicCache()
+        self.start = 0  # first position the last forward wrote
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -47,10 +52,21 @@ class DynamicTargetKV:
     def length(self) -> int:
         return kv_length(self.cache)
 
-    def forward(self, ids: torch.Tensor, keep: int) -> Output:
+    def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
+        self.start = self.length
+        kwargs = {}
+        if tree is not None:  # explicit positions and a 4-D mask [1, 1, T, cached + T], True = attend
+            T = ids.shape[1]
+            cached = torch.ones(T, self.start, dtype=torch.bool, device=ids.device)
+            kwargs = {"position_ids": (self.start + tree.depth)[None],
+                      "attention_mask": torch.cat([cached, tree.visible], dim=1)[None, None]}
         with FeatureTap(self.model, self.layer_ids) as tap:
-            out = self.model(input_ids=ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep)
+            out = self.model(input_ids=ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep,
+                             **kwargs)
         return out.logits, tap.features()
+
+    def select(self, rows: list[int]) -> None:
+        move_rows(self.cache, self.start, rows)
 
     def crop(self, n: int) -> None:
         crop_kv(self.cache, n)
@@ -72,35 +88,47 @@ class StaticTargetKV(FixedRows):
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.columns = torch.arange(capacity, device=self.device)  # [L]
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # first position written
+        self.first = 0
         self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in range(1, max_rows + 1)}
+        self.chains = {T: chain_tree(T, self.device) for T in range(1, max_rows + 1)}
+        self.trees = {T: Tree(c.depth.clone(), c.visible.clone()) for T, c in self.chains.items()}  # graph inputs
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
-    def forward(self, ids: torch.Tensor, keep: int) -> Output:
+    def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
         T = ids.shape[1]
         self.check_room(T)
         self.start.fill_(self.length)
+        self.first = self.length  # the same, on the host (select)
         if T > self.max_rows:  # prefill: eager, one shape per prompt length
-            logits, features = self._forward(ids, keep)
+            logits, features = self._forward(ids, keep, tree or chain_tree(T, self.device))
         else:
             self.ids[T].copy_(ids)
+            shape = tree or self.chains[T]
+            self.trees[T].depth.copy_(shape.depth)
+            self.trees[T].visible.copy_(shape.visible)
             logits, features = self.graphs.run(T)
             logits = logits[:, T - keep:]
             features = features.clone() if features is not None else None  # the next replay overwrites it
         self.length += T
         return logits, features
 
-    def _step(self, T: int):
-        """T -> the graph's function: the forward of the static buffer `ids[T]` at `start`."""
-        return lambda: self._forward(self.ids[T], T)
+    def select(self, rows: list[int]) -> None:
+        move_rows(self.cache, self.first, rows)
 
-    def _forward(self, ids: torch.Tensor, keep: int) -> Output:
-        """ids [1, T] at positions start..start+T-1 -> logits [1, keep, V], features; only tensor ops
-        on static buffers (capturable)."""
+    def _step(self, T: int):
+        """T -> the graph's function: the forward of the static buffers `ids[T]`, `trees[T]` at `start`."""
+        return lambda: self._forward(self.ids[T], T, self.trees[T])
+
+    def _forward(self, ids: torch.Tensor, keep: int, tree: Tree) -> Output:
+        """ids [1, T] at positions start + tree.depth -> logits [1, keep, V], features; only tensor
+        ops on static buffers (capturable)."""
         T = ids.shape[1]
-        positions = self.start + torch.arange(T, device=self.device)  # [T]
+        positions = self.start + tree.depth  # [T]
         for counter in self._counters():
             counter.copy_(self.start)
-        mask = (self.columns[None, :] <= positions[:, None])[None, None]  # [1, 1, T, L], True = attend
+        rel = self.columns - self.start  # [L]: column -> row of this forward (< 0: cached before it)
+        own = tree.visible.gather(1, rel.clamp(0, T - 1)[None, :].expand(T, -1))  # [T, L]
+        mask = ((rel < 0)[None, :] | (own & (rel < T)[None, :]))[None, None]  # [1, 1, T, L], True = attend
         kwargs = {self.cache_arg: self.cache, "position_ids": positions[None], "attention_mask": mask,
                   "use_cache": True, "logits_to_keep": keep}
         if self.takes_cache_position:

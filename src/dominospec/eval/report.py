@@ -93,6 +93,9 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "mean_drafts_per_round": sum(s.proposed for s in stats) / rounds if rounds else None,
         "draft_round_share": draft_rounds / rounds if rounds else None,  # rounds that verified >= 1 draft
         "lookup_round_share": sum(s.lookup_rounds for s in stats) / rounds if rounds else None,  # ngram_assist hits
+        "fork_round_share": sum(s.fork_rounds for s in stats) / rounds if rounds else None,  # ngram_fork: chain + lookup
+        "fork_lookup_win_share": (sum(s.fork_lookup_wins for s in stats) / forks  # of those, the lookup's branch won
+                                  if (forks := sum(s.fork_rounds for s in stats)) else None),
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
     }
 

@@ -34,7 +34,7 @@ from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
 from dominospec.engine.configure import engine_options, prepare_target, sampling_from
-from dominospec.engine.policy import choose_k
+from dominospec.engine.policy import choose_fork, choose_k
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
@@ -159,6 +159,9 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
             "acceptance_estimate_at_end": survival,
             "k_at_end": choose_k(cost, survival, engine.lookup_k_max, lookup=True),
         }
+        if engine.forking:  # the (K_d, K_l) a full lookup would get now
+            record["fork"] = {"k_at_end": list(choose_fork(cost, engine.acceptance.survival(), survival, k_max,
+                                                           engine.lookup_k_max))}
     return record
 
 
