@@ -77,6 +77,18 @@ def random_prompts(n: int, vocab: int, seed: int, min_len: int = 2, max_len: int
     return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]
 
 
+def repetitive_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts made of a short random phrase repeated: prompt lookup has something to find."""
+    import random
+
+    g = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [g.randrange(3, vocab - 1) for _ in range(g.randrange(2, 6))]
+        out.append((phrase * 4)[: g.randrange(6, 20)])
+    return out
+
+
 def streaming_cost(k_max: int, step_ms: float = 10.0) -> "RoundCost":
     """A fixed round-cost table of a weight-streaming machine: a verify of up to k_max + 1 rows costs
     one step, the draft forward a fifth of one, a chain step a fiftieth. Auto-K's choices then follow

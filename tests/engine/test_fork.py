@@ -20,7 +20,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import random_prompts, repetitive_prompts, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.fork import accept_fork, chain_tree, fork_tree
@@ -96,17 +96,16 @@ def test_accept_fork_keeps_the_longer_branch():
     assert (forked.accepted, forked.lookup_won, forked.rows) == (1, False, [0, 1])
 
 
+def _rate(cost, chain, lookup, kd, kl):
+    """Expected tokens per ms of a fork round, P(either accepts >= k) = 1 - (1 - a_d)(1 - a_l)."""
+    a_d, a_l = chain[:kd] + [0.0] * 8, lookup[:kl] + [0.0] * 8
+    ms = (cost.draft + kd * cost.rollout_step if kd else 0) + cost.verify[kd + kl]
+    return (1 + sum(1 - (1 - a_d[k]) * (1 - a_l[k]) for k in range(8))) / ms
+
+
 def reference_fork_choice(cost, chain, lookup, kd_max, kl_max):
-    """Brute force over the grid with P(either accepts >= k) = 1 - (1 - a_d)(1 - a_l)."""
-    rates = {(0, 0): 1 / cost.verify[0]}
-    for kd in range(kd_max + 1):
-        for kl in range(kl_max + 1):
-            if kd or kl:
-                a_d = chain[:kd] + [0.0] * 8
-                a_l = lookup[:kl] + [0.0] * 8
-                expected = 1 + sum(1 - (1 - a_d[k]) * (1 - a_l[k]) for k in range(8))
-                ms = (cost.draft + kd * cost.rollout_step if kd else 0) + cost.verify[kd + kl]
-                rates[(kd, kl)] = expected / ms
+    """Brute force over the grid (`_rate`), a plain step included."""
+    rates = {(kd, kl): _rate(cost, chain, lookup, kd, kl) for kd in range(kd_max + 1) for kl in range(kl_max + 1)}
     return max(rates, key=rates.get)
 
 
@@ -123,20 +122,6 @@ def test_choose_fork_against_brute_force_and_choose_k():
         assert got == want or abs(_rate(cost, chain, lookup, *got) - _rate(cost, chain, lookup, *want)) < 1e-12
         assert choose_fork(cost, chain, [0.0] * 7, 3, kl_max) == (choose_k(cost, chain, 3), 0)
 
-
-def _rate(cost, chain, lookup, kd, kl):
-    a_d, a_l = chain[:kd] + [0.0] * 8, lookup[:kl] + [0.0] * 8
-    ms = (cost.draft + kd * cost.rollout_step if kd else 0) + cost.verify[kd + kl]
-    return (1 + sum(1 - (1 - a_d[k]) * (1 - a_l[k]) for k in range(8))) / ms
-
-
-def repetitive_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    g = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [g.randrange(3, vocab - 1) for _ in range(g.randrange(2, 6))]
-        out.append((phrase * 4)[: g.randrange(6, 20)])
-    return out
 
 
 @pytest.mark.parametrize("mode", ["domino", "dflash"])

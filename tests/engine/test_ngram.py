@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import random_prompts, repetitive_prompts, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.ngram import NgramIndex
@@ -45,15 +45,6 @@ def test_index_matches_brute_force(min_n, max_n):
         k = rng.randrange(0, 9)
         assert index.propose(k) == reference_propose(tokens, k, min_n, max_n), (tokens, k)
 
-
-def repetitive_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    """Prompts made of a short random phrase repeated: prompt lookup has something to find."""
-    g = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [g.randrange(3, vocab - 1) for _ in range(g.randrange(2, 6))]
-        out.append((phrase * 4)[: g.randrange(6, 20)])
-    return out
 
 
 @pytest.mark.parametrize("arch, vocab, dtype", [("llama", 8, torch.float64), ("qwen3", 96, torch.float32)])
