@@ -86,3 +86,26 @@ def test_auto_k_sampled_answers_reproduce_by_seed(target, draft):
         again = engine.generate(prompt, 20, sampling, seed=11)
         assert again.token_ids == first.token_ids
         assert again.stats.accepted_lengths == first.stats.accepted_lengths
+
+
+def test_verify_costs_are_fitted_nondecreasing():
+    """The isotonic fit against brute force: the closest non-decreasing sequence in least squares,
+    searched over a fine grid for short sequences; already-sorted input is returned unchanged."""
+    import itertools
+    import random
+
+    from dominospec.engine.cost import nondecreasing
+
+    rng = random.Random(0)
+    assert nondecreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]
+    assert nondecreasing([3.0, 1.0]) == [2.0, 2.0]
+    assert nondecreasing([27.1, 33.9, 31.3, 34.0]) == [27.1, 32.6, 32.6, 34.0]
+    grid = [x / 4 for x in range(0, 41)]
+    for _ in range(40):
+        values = [rng.choice(grid) for _ in range(3)]
+        fit = nondecreasing(values)
+        assert all(a <= b + 1e-12 for a, b in zip(fit, fit[1:]))
+        best = min((c for c in itertools.product(grid, repeat=3) if c[0] <= c[1] <= c[2]),
+                   key=lambda c: sum((a - b) ** 2 for a, b in zip(c, values)))
+        error = sum((a - b) ** 2 for a, b in zip(fit, values))
+        assert error <= sum((a - b) ** 2 for a, b in zip(best, values)) + 1e-9, (values, fit, best)

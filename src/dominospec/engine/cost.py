@@ -9,6 +9,11 @@ the minimum is the machine's own cost, and K does not follow one descheduled sam
 chain. The measurement runs on the engine's own runners (static caches and CUDA graphs when it
 uses them, so auto-K sees the round it will run); they are cropped back after every measurement
 and reset by the next generation.
+
+A wider verify never costs less than a narrower one (the same weights stream, over more rows), so
+the verify costs are fitted non-decreasing in r (`nondecreasing`: the least-squares isotonic fit,
+pool-adjacent-violators). Without it one quiet sample at 10 rows makes a 10-row fork look cheaper
+than a 7-row lookup, and auto-K's choices, and with them τ, follow the noise of the calibration.
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             t2 = engine._now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
-    return RoundCost(verify=[min(verify[r]) for r in verify],
+    return RoundCost(verify=nondecreasing([min(verify[r]) for r in verify]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0)
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """-> the non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of runs pooled to their mean
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
