@@ -20,6 +20,8 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     dflash        SpecEngine "dflash" (head off, K = B - 1)
     domino        SpecEngine "domino", head_kernel triton on CUDA (torch on CPU)
     domino+ngram  the same with ngram_assist
+    domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
+                  two branches of one forward, engine.fork)
     ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
                   verify / AR step and the draft block replay captured graphs); "ar graphs" is our
                   CUDA-graph AR. Each is checked token for token against eager `ar`, and the speculative
@@ -59,8 +61,8 @@ from typing import Any, Callable, Optional
 import torch
 
 BENCH = Path(__file__).resolve().parent
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram",
-         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs")
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork",
+         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs")
 GRAPHED = "ar graphs"  # our CUDA-graph AR: the baseline the graph'd speculative modes are held to
 TAUS = (2, 3, 4, 5)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -243,11 +245,13 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     for suffix, opts in (("", options), (" graphs", graphed)):
         engines.update({
             "ar" + suffix: SpecEngine(target, None, "ar", None, opts),
-            "ngram" + suffix: SpecEngine(target, None, "ngram", None, opts),
+            "ngram" + suffix: SpecEngine(target, None, "ngram", "auto" if args.num_draft == "auto" else None, opts),
             "dflash" + suffix: SpecEngine(target, draft, "dflash", args.num_draft, opts),
             "domino" + suffix: SpecEngine(target, draft, "domino", args.num_draft, opts),
             "domino+ngram" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                 dataclasses.replace(opts, ngram_assist=True)),
+            "domino+fork" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
+                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)),
         })
     wanted = set(args.modes.split(",")) | {"ar", "graph ar"}
     if any(m.endswith(" graphs") for m in wanted):
@@ -635,7 +639,8 @@ def main() -> None:
     parser.add_argument("--max-prompts", type=int, default=16, help="per suite")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on CUDA")
-    parser.add_argument("--num-draft", type=int, default=None, help="K of the draft modes (default B - 1)")
+    parser.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
     parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (ar and graph ar always run)")

@@ -118,3 +118,22 @@ def test_assist_keeps_separate_acceptance_for_lookups_and_chains():
     assert out.stats.lookup_rounds > 0 and sum(lookups.tried) > 0
     if out.stats.draft_rounds == out.stats.lookup_rounds:  # no chain ran: the draft's model only aged
         assert sum(chains.tried) == 0
+
+
+@pytest.mark.parametrize("mode", ["ngram", "domino"])
+def test_lookup_rounds_count_in_the_draft_round_time(mode):
+    """A round that verified a lookup is a draft round in the timing too (eval.json's
+    draft_round_ms = draft_round_s ÷ draft_rounds), and no more time is counted than the rounds took."""
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True) if mode == "domino" else None
+    options = EngineOptions(ngram_assist=mode == "domino", ngram_max=3)
+    engine = SpecEngine(target, draft, mode, None, options)
+    lookups = 0
+    for prompt in repetitive_prompts(8, 8, seed=3):
+        stats = engine.generate(prompt, 24).stats
+        lookups += stats.lookup_rounds if mode == "domino" else stats.draft_rounds
+        assert (stats.draft_round_s > 0) == (stats.draft_rounds > 0)
+        assert stats.draft_round_s <= stats.draft_s + stats.rollout_s + stats.verify_s + 1e-9
+        if stats.draft_rounds == stats.rounds:  # every round proposed: all of the rounds' time
+            assert stats.draft_round_s == pytest.approx(stats.draft_s + stats.rollout_s + stats.verify_s)
+    assert lookups > 5

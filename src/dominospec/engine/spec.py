@@ -363,7 +363,7 @@ class SpecEngine:
         stats.draft_s += t1 - t0
         stats.rollout_s += t2 - t1
         stats.verify_s += t3 - t2
-        stats.draft_round_s += (t3 - t0) if K > 0 else 0.0
+        stats.draft_round_s += (t3 - t0) if K + L > 0 else 0.0
         return m, reason
 
     def _plan(self, state, room: int, greedy: bool) -> tuple[int, list[int]]:
