@@ -89,6 +89,21 @@ def repetitive_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
+def stats_equal_to_ar(engine, ar, max_new_tokens: int = 24) -> list:
+    """Greedy generations of `engine` on the assisted-lookup prompt set (repeating phrases, then
+    random prompts; vocab 8) -> their stats, each checked: the tokens equal `ar`'s, and the draft
+    context and target KV hold prompt + answer - 1 rows."""
+    out = []
+    for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
+        generation = engine.generate(prompt, max_new_tokens)
+        assert generation.token_ids == ar.generate(prompt, max_new_tokens).token_ids, prompt
+        stats = generation.stats
+        assert stats.draft_context_length == stats.target_kv_length == len(prompt) + len(generation.token_ids) - 1
+        assert stats.round_tokens + 1 == len(generation.token_ids)
+        out.append(stats)
+    return out
+
+
 def streaming_cost(k_max: int, step_ms: float = 10.0) -> "RoundCost":
     """A fixed round-cost table of a weight-streaming machine: a verify of up to k_max + 1 rows costs
     one step, the draft forward a fifth of one, a chain step a fiftieth. Auto-K's choices then follow

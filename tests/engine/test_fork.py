@@ -20,7 +20,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, repetitive_prompts, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.fork import accept_fork, chain_tree, fork_tree
@@ -135,14 +135,8 @@ def test_greedy_fork_equals_ar(mode, num_draft, static):
     engine = SpecEngine(target, draft, mode, num_draft, options)
     assert engine.max_verify == 3 + 7
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
-    forks = lookup_wins = 0
-    for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
-        out = engine.generate(prompt, 24)
-        assert out.token_ids == ar.generate(prompt, 24).token_ids, prompt
-        assert out.stats.draft_context_length == out.stats.target_kv_length == len(prompt) + len(out.token_ids) - 1
-        assert out.stats.round_tokens + 1 == len(out.token_ids)
-        forks += out.stats.fork_rounds
-        lookup_wins += out.stats.fork_lookup_wins
+    stats = stats_equal_to_ar(engine, ar)
+    forks, lookup_wins = sum(s.fork_rounds for s in stats), sum(s.fork_lookup_wins for s in stats)
     assert lookup_wins > 5 and forks - lookup_wins > 5, (forks, lookup_wins)
 
 

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, repetitive_prompts, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.ngram import NgramIndex
@@ -73,13 +73,9 @@ def test_greedy_ngram_assist_equals_ar(mode, num_draft):
     ar = SpecEngine(target, None, "ar")
     engine = SpecEngine(target, draft, mode, num_draft, EngineOptions(ngram_assist=True, ngram_max=3))
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
-    lookups = drafted = 0
-    for prompt in repetitive_prompts(8, 8, seed=3) + random_prompts(12, 8, seed=2):
-        out = engine.generate(prompt, 24)
-        assert out.token_ids == ar.generate(prompt, 24).token_ids, prompt
-        assert out.stats.draft_context_length == out.stats.target_kv_length == len(prompt) + len(out.token_ids) - 1
-        lookups += out.stats.lookup_rounds
-        drafted += out.stats.draft_rounds - out.stats.lookup_rounds
+    stats = stats_equal_to_ar(engine, ar)
+    lookups = sum(s.lookup_rounds for s in stats)
+    drafted = sum(s.draft_rounds - s.lookup_rounds for s in stats)
     assert lookups > 10 and drafted > 10, (lookups, drafted)
 
 
