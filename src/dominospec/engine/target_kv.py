@@ -92,6 +92,7 @@ class StaticTargetKV(FixedRows):
         self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in range(1, max_rows + 1)}
         self.chains = {T: chain_tree(T, self.device) for T in range(1, max_rows + 1)}
         self.trees = {T: Tree(c.depth.clone(), c.visible.clone()) for T, c in self.chains.items()}  # graph inputs
+        self.holds_chain = {T: True for T in self.trees}  # trees[T] holds chains[T]: a chain forward copies nothing
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
     def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
@@ -103,9 +104,11 @@ class StaticTargetKV(FixedRows):
             logits, features = self._forward(ids, keep, tree or chain_tree(T, self.device))
         else:
             self.ids[T].copy_(ids)
-            shape = tree or self.chains[T]
-            self.trees[T].depth.copy_(shape.depth)
-            self.trees[T].visible.copy_(shape.visible)
+            if tree is not None or not self.holds_chain[T]:  # only a fork, or the chain after one, rewrites the tree
+                shape = tree or self.chains[T]
+                self.trees[T].depth.copy_(shape.depth)
+                self.trees[T].visible.copy_(shape.visible)
+                self.holds_chain[T] = tree is None
             logits, features = self.graphs.run(T)
             logits = logits[:, T - keep:]
             features = features.clone() if features is not None else None  # the next replay overwrites it
