@@ -8,6 +8,8 @@ For the first N prompts of each suite, greedy, 2 threads, every setup runs promp
                        pool, `evaluate.num_draft`); domino only with --draft DIR or --random-draft
     domino no fork     with --fork-too: domino with `engine.ngram_fork` off (a lookup hit replaces the
                        chain), interleaved with the forking domino of params
+    domino chain       with --tree-too: domino with `engine.tree_width: 1` (the draft's best first token only),
+                       interleaved with the domino of params (its draft tree)
     ... plain          with --plain-too: the same three on the stock copy (`engine.linear: torch`), so one
                        run says which linear kernels serve each mode best on this machine
 
@@ -16,7 +18,7 @@ generate and over our ar, τ (our modes), exact match with hf generate and with 
 modes every divergence from our ar with the target's top-2 logit gap there (eval.report).
 
     python benchmarks/anchor.py [--params params.yaml] [--prompts 8] [--new-tokens 128] [--dtype bfloat16]
-        [--draft DIR | --random-draft] [--suites sharegpt,humaneval] [--fork-too] [--json out.json]
+        [--draft DIR | --random-draft] [--suites sharegpt,humaneval] [--fork-too] [--tree-too] [--json out.json]
 
 --dtype bfloat16 is the bf16 target mode: every setup runs the bf16 target, exact match is then
 against bf16 AR, and the divergences' top-2 gaps show whether they happen only at near-ties.
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--fork-too", action="store_true",
                         help="also run domino with engine.ngram_fork off, interleaved (needs --draft or --random-draft)")
+    parser.add_argument("--tree-too", action="store_true",
+                        help="also run domino with engine.tree_width 1, interleaved (needs --draft or --random-draft)")
     parser.add_argument("--plain-too", action="store_true",
                         help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
     args = parser.parse_args()
@@ -76,6 +80,9 @@ def main() -> None:
         else:
             draft = load_draft(args.draft, ours)
         engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
+        if args.tree_too:
+            engines["domino chain"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
+                                                 dataclasses.replace(options, tree_width=1))
         if args.fork_too:
             engines["domino no fork"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
                                                    dataclasses.replace(options, ngram_fork=False))

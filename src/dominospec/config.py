@@ -173,6 +173,7 @@ class EngineParams:
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
     ngram_fork: bool  # with ngram_assist, greedy: verify it beside the draft's chain, two branches in one forward
+    tree_width: int  # greedy: verify the draft's W best first tokens as W branches, each drafted on; 1 = a chain
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
     cuda_graphs: Literal["auto", "on", "off"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically

@@ -1,14 +1,15 @@
-"""Fork rounds (engine.fork): the draft's chain and a prompt lookup verified as two branches of one forward.
+"""Branching rounds (engine.fork): several proposals verified as branches of one forward.
 
-- `fork_tree` equals a mask written out by hand from the rule: a row sees row 0 and its own
-  branch's earlier rows.
-- On both target runners (dynamic cache, and the static one the CUDA graphs replay), a fork
-  forward gives each branch the logits and features of verifying that branch alone (fp64); after
-  `select` + crop to the lookup branch, the next forward equals the one after verifying the lookup
-  alone: the KV rows moved into place are the right ones.
-- `accept_fork` keeps the branch that accepts more; a tie keeps the chain.
-- `choose_fork`: with a lookup that is never accepted it chooses the chain alone, as `choose_k`;
-  a grid search written out with the independence estimate agrees on random survivals.
+- `branch_tree` equals a mask written out by hand from the rule: a row sees row 0 and its own
+  branch's earlier rows; one branch is the chain.
+- On both target runners (dynamic cache, and the static one the CUDA graphs replay), a forward of
+  three branches gives each branch the logits and features of verifying that branch alone (fp64);
+  after `select` + crop to a branch other than the first, the next forward equals the one after
+  verifying that branch alone: the KV rows moved into place are the right ones.
+- `accept_branches` keeps the branch that accepts most; a tie keeps the earlier branch.
+- `choose_tree`: with a lookup that is never accepted and one branch it chooses the chain alone, as
+  `choose_k`; a grid search written out with the estimate of engine.policy agrees on random
+  survivals, rank shares and costs; with rank shares of 0 it never widens the tree.
 - Greedy decoding with ngram_fork equals AR token for token (domino, dflash; fixed K and auto-K;
   dynamic and static caches), with fork rounds won by each branch; the draft context stays in
   step with the target KV. Under sampling no round forks.
@@ -23,105 +24,120 @@ import torch
 from engine_helpers import repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
-from dominospec.engine.fork import accept_fork, chain_tree, fork_tree
-from dominospec.engine.policy import RoundCost, choose_fork, choose_k
+from dominospec.engine.fork import accept_branches, branch_tree, chain_tree
+from dominospec.engine.policy import RoundCost, choose_k, choose_tree
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
-FORK = EngineOptions(ngram_assist=True, ngram_fork=True, ngram_max=3)
+FORK = EngineOptions(ngram_assist=True, ngram_fork=True, ngram_max=3)  # tree_width 1: chain + lookup
 CPU = torch.device("cpu")
 
 
-def test_fork_tree_is_the_two_branch_mask():
-    kd, kl = 2, 3
-    branch = [0, 1, 1, 2, 2, 2]
-    expected = [[j == 0 or (branch[i] == branch[j] and j <= i) for j in range(6)] for i in range(6)]
-    tree = fork_tree(kd, kl, CPU)
+def test_branch_tree_is_the_mask_of_its_rule():
+    lengths = [2, 1, 3]
+    branch = [0, 1, 1, 2, 3, 3, 3]
+    expected = [[j == 0 or (branch[i] == branch[j] and j <= i) for j in range(7)] for i in range(7)]
+    tree = branch_tree(lengths, CPU)
     assert tree.visible.tolist() == expected
-    assert tree.depth.tolist() == [0, 1, 2, 1, 2, 3]
-    assert fork_tree(3, 0, CPU).visible.tolist() == chain_tree(4, CPU).visible.tolist()
+    assert tree.depth.tolist() == [0, 1, 2, 1, 1, 2, 3]
+    assert branch_tree([3], CPU).visible.tolist() == chain_tree(4, CPU).visible.tolist()
+    assert branch_tree([3], CPU).depth.tolist() == chain_tree(4, CPU).depth.tolist()
 
 
 @pytest.mark.parametrize("runner", ["dynamic", "static"])
-def test_fork_forward_equals_each_branch_alone(runner):
+def test_branch_forward_equals_each_branch_alone(runner):
     target = tiny_target("llama", vocab=32, dtype=torch.float64)
     layers = [0, target.num_layers - 2]
 
     def make():
         if runner == "dynamic":
             return DynamicTargetKV(target.model, layers)
-        return StaticTargetKV(target.model, layers, capacity=64, max_rows=8, graphs=False)
+        return StaticTargetKV(target.model, layers, capacity=64, max_rows=12, graphs=False)
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 31, (1, 9), generator=g)
-    x, chain, lookup = torch.tensor([[7]]), torch.randint(3, 31, (1, 3), generator=g), torch.randint(3, 31, (1, 4), generator=g)
+    x = torch.tensor([[7]])
+    branches = [torch.randint(3, 31, (1, n), generator=g) for n in (3, 3, 4)]  # two draft branches, a lookup
     after = torch.randint(3, 31, (1, 2), generator=g)
     with torch.inference_mode():
-        alone = {}
-        for name, branch in (("chain", chain), ("lookup", lookup)):
+        alone, next_alone = [], {}
+        for b, branch in enumerate(branches):
             kv = make()
             kv.forward(prompt, keep=1)
-            alone[name] = kv.forward(torch.cat([x, branch], 1), keep=1 + branch.shape[1])
-            if name == "lookup":  # keep x and the first 2 lookup tokens, then one more forward
-                kv.crop(9 + 3)
-                next_alone = kv.forward(after, keep=2)
-        kv = make()
-        kv.forward(prompt, keep=1)
-        logits, features = kv.forward(torch.cat([x, chain, lookup], 1), keep=8, tree=fork_tree(3, 4, CPU))
-        chain_rows, lookup_rows = [0, 1, 2, 3], [0, 4, 5, 6, 7]
-        torch.testing.assert_close(logits[:, chain_rows], alone["chain"][0], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(features[:, chain_rows], alone["chain"][1], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(logits[:, lookup_rows], alone["lookup"][0], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(features[:, lookup_rows], alone["lookup"][1], rtol=1e-10, atol=1e-10)
-        kv.select(lookup_rows[:3])
-        kv.crop(9 + 3)
-        got = kv.forward(after, keep=2)
-        torch.testing.assert_close(got[0], next_alone[0], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(got[1], next_alone[1], rtol=1e-10, atol=1e-10)
+            alone.append(kv.forward(torch.cat([x, branch], 1), keep=1 + branch.shape[1]))
+            kv.crop(9 + 3)  # keep x and the branch's first 2 tokens, then one more forward
+            next_alone[b] = kv.forward(after, keep=2)
+        rows = [[0, 1, 2, 3], [0, 4, 5, 6], [0, 7, 8, 9, 10]]
+        for b in (1, 2):  # the winner moved into place: a middle branch, and the last
+            kv = make()
+            kv.forward(prompt, keep=1)
+            logits, features = kv.forward(torch.cat([x, *branches], 1), keep=11, tree=branch_tree([3, 3, 4], CPU))
+            for own, (want_logits, want_features) in zip(rows, alone):
+                torch.testing.assert_close(logits[:, own], want_logits, rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(features[:, own], want_features, rtol=1e-10, atol=1e-10)
+            kv.select(rows[b][:3])
+            kv.crop(9 + 3)
+            got = kv.forward(after, keep=2)
+            torch.testing.assert_close(got[0], next_alone[b][0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(got[1], next_alone[b][1], rtol=1e-10, atol=1e-10)
 
 
 def one_hot_logits(rows: list[int], V: int = 10) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(rows), V).double()
 
 
-def test_accept_fork_keeps_the_longer_branch():
+def test_accept_branches_keeps_the_longest_and_the_earlier_on_a_tie():
     chain, lookup = torch.tensor([4, 5, 6]), torch.tensor([4, 8, 9])
     # target's greedy tokens by row: row 0 -> 4; chain rows (4, 5, 6) -> 5, 1, _; lookup rows (4, 8, 9) -> 8, 9, 3
-    forked = accept_fork(chain, lookup, one_hot_logits([4, 5, 1, 0, 8, 9, 3]))
-    assert (forked.accepted_draft, forked.accepted_lookup, forked.lookup_won) == (2, 3, True)
-    assert (forked.accepted, forked.next_token, forked.rows) == (3, 3, [0, 4, 5, 6])
-    forked = accept_fork(chain, lookup, one_hot_logits([4, 5, 6, 7, 0, 0, 0]))
-    assert (forked.accepted, forked.next_token, forked.rows, forked.lookup_won) == (3, 7, [0, 1, 2, 3], False)
-    forked = accept_fork(chain, lookup, one_hot_logits([4, 0, 0, 0, 0, 0, 0]))  # a tie at 1: the chain
-    assert (forked.accepted, forked.lookup_won, forked.rows) == (1, False, [0, 1])
+    got = accept_branches([chain, lookup], one_hot_logits([4, 5, 1, 0, 8, 9, 3]))
+    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([2, 3], 1, 3, 3, [0, 4, 5, 6])
+    got = accept_branches([chain, lookup], one_hot_logits([4, 5, 6, 7, 0, 0, 0]))
+    assert (got.accepted, got.next_token, got.rows, got.winner) == (3, 7, [0, 1, 2, 3], 0)
+    got = accept_branches([chain, lookup], one_hot_logits([4, 0, 0, 0, 0, 0, 0]))  # a tie at 1: the chain
+    assert (got.accepted, got.winner, got.rows) == (1, 0, [0, 1])
+    # three draft branches (first guesses 4, 2, 6), the second right for two tokens, then a plain miss
+    branches = [torch.tensor([4, 5]), torch.tensor([2, 7]), torch.tensor([6, 1])]
+    got = accept_branches(branches, one_hot_logits([2, 0, 0, 7, 9, 0, 0]))
+    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([0, 2, 0], 1, 2, 9, [0, 3, 4])
+    got = accept_branches(branches, one_hot_logits([3, 0, 0, 0, 0, 0, 0]))  # none: the target's own token
+    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([0, 0, 0], 0, 0, 3, [0])
 
 
-def _rate(cost, chain, lookup, kd, kl):
-    """Expected tokens per ms of a fork round, P(either accepts >= k) = 1 - (1 - a_d)(1 - a_l)."""
-    a_d, a_l = chain[:kd] + [0.0] * 8, lookup[:kl] + [0.0] * 8
-    ms = (cost.draft + kd * cost.rollout_step if kd else 0) + cost.verify[kd + kl]
-    return (1 + sum(1 - (1 - a_d[k]) * (1 - a_l[k]) for k in range(8))) / ms
+def _rate(cost, chain, lookup, ranks, width, kd, kl):
+    """Expected tokens per ms of a branching round, written out: the draft tree accepts >= k with
+    t_k = a_k (1 + r_2 + .. + r_W) / a_1, and P(either accepts >= k) = 1 - (1 - t_k)(1 - a_l)."""
+    widen = 1 + sum(ranks[:width - 1]) / chain[0]
+    t = [min(1.0, a * widen) for a in chain[:kd]] + [0.0] * 8
+    a_l = lookup[:kl] + [0.0] * 8
+    step = cost.rollout_step if width == 1 else cost.branch_step
+    ms = (cost.draft + kd * step if kd else 0) + cost.verify[width * kd + kl]
+    return (1 + sum(1 - (1 - t[k]) * (1 - a_l[k]) for k in range(8))) / ms
 
 
-def reference_fork_choice(cost, chain, lookup, kd_max, kl_max):
-    """Brute force over the grid (`_rate`), a plain step included."""
-    rates = {(kd, kl): _rate(cost, chain, lookup, kd, kl) for kd in range(kd_max + 1) for kl in range(kl_max + 1)}
+def reference_tree_choice(cost, chain, lookup, ranks, kd_max, kl_max, width_max):
+    """Brute force over the grid (`_rate`), a plain step included; a tree has at least one draft."""
+    grid = [(1, 0, kl) for kl in range(kl_max + 1)]
+    grid += [(w, kd, kl) for w in range(1, width_max + 1) for kd in range(1, kd_max + 1) for kl in range(kl_max + 1)]
+    rates = {shape: _rate(cost, chain, lookup, ranks, *shape) for shape in grid}
     return max(rates, key=rates.get)
 
 
-def test_choose_fork_against_brute_force_and_choose_k():
+def test_choose_tree_against_brute_force_and_choose_k():
     rng = random.Random(0)
     for trial in range(300):
-        verify = sorted(rng.uniform(10, 16) for _ in range(11))
-        cost = RoundCost(verify=verify, draft=rng.uniform(0, 4), rollout_step=rng.uniform(0, 0.5))
-        chain = sorted((rng.random() for _ in range(3)), reverse=True)
+        verify = sorted(rng.uniform(10, 16) for _ in range(4 * 3 + 7 + 1))
+        step = rng.uniform(0, 0.5)
+        cost = RoundCost(verify=verify, draft=rng.uniform(0, 4), rollout_step=step, branch_step=step * rng.uniform(1, 2))
+        chain = sorted((rng.uniform(0.05, 1) for _ in range(3)), reverse=True)
         lookup = sorted((rng.random() for _ in range(7)), reverse=True)
-        kl_max = rng.randrange(1, 8)
-        got = choose_fork(cost, chain, lookup, 3, kl_max)
-        want = reference_fork_choice(cost, chain, lookup, 3, kl_max)
-        assert got == want or abs(_rate(cost, chain, lookup, *got) - _rate(cost, chain, lookup, *want)) < 1e-12
-        assert choose_fork(cost, chain, [0.0] * 7, 3, kl_max) == (choose_k(cost, chain, 3), 0)
-
+        ranks = sorted((rng.uniform(0, 0.3) for _ in range(3)), reverse=True)
+        kl_max, width_max = rng.randrange(0, 8), rng.randrange(1, 5)
+        got = choose_tree(cost, chain, lookup, 3, kl_max, ranks, width_max)
+        want = reference_tree_choice(cost, chain, lookup, ranks, 3, kl_max, width_max)
+        rate = lambda shape: _rate(cost, chain, lookup, ranks, *shape)  # noqa: E731
+        assert got == want or abs(rate(got) - rate(want)) < 1e-12, (got, want)
+        assert choose_tree(cost, chain, [0.0] * 7, 3, kl_max) == (1, choose_k(cost, chain, 3), 0)
+        assert choose_tree(cost, chain, lookup, 3, kl_max, [0.0] * 3, width_max)[0] == 1  # no gain: no tree
 
 
 @pytest.mark.parametrize("mode", ["domino", "dflash"])

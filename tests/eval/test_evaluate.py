@@ -195,10 +195,10 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
     assert report["num_draft_setting"] == "auto" and set(report["auto_k"]) == {"ngram", "dflash", "domino"}
     record = report["auto_k"]["domino"]
     K, lookup_k = report["num_draft"], report["engine"]["ngram_num_draft"] if report["engine"]["ngram_assist"] else 0
-    # verify is measured for a chain of K drafts and, with ngram_assist, for a lookup of ngram_num_draft
-    # tokens; with ngram_fork for both at once
-    fork = lookup_k and report["engine"]["ngram_fork"]
-    rows = K + lookup_k + 1 if fork else max(K, lookup_k) + 1
+    # verify is measured for W branches of K drafts (a chain: W = 1) and, with ngram_assist, for a lookup
+    # of ngram_num_draft tokens; with ngram_fork for both at once
+    fork, W = lookup_k and report["engine"]["ngram_fork"], report["engine"]["tree_width"]
+    rows = W * K + lookup_k + 1 if fork else max(W * K, lookup_k) + 1
     assert len(record["cost_ms"]["verify"]) == rows and len(record["round_over_ar_step_by_k"]) == K + 1
     assert record["round_over_ar_step_by_k"][0] == 1.0 and 0 <= record["k_at_end"] <= K
     assert all(0 <= a <= 1 for a in record["acceptance_estimate_at_end"])
@@ -207,8 +207,12 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
         assert len(lookup["acceptance_estimate_at_end"]) == lookup_k and 0 <= lookup["k_at_end"] <= lookup_k
         assert lookup["round_over_ar_step_by_k"][1] < record["round_over_ar_step_by_k"][1]
     if fork:
-        kd, kl = record["fork"]["k_at_end"]
-        assert 0 <= kd <= K and 0 <= kl <= lookup_k
+        width, kd, kl = record["fork"]["k_at_end"]
+        assert 1 <= width <= W and 0 <= kd <= K and 0 <= kl <= lookup_k
+    if W > 1:  # the tree: the draft's 2nd..W-th guesses, and the (W, K_d, 0) chosen without a lookup
+        assert len(record["tree"]["rank_share_estimate_at_end"]) == W - 1 and record["cost_ms"]["branch_step"] > 0
+        width, kd, kl = record["tree"]["k_at_end"]
+        assert 1 <= width <= W and 0 <= kd <= K and kl == 0
     sharegpt = report["suites"]["sharegpt"]
     assert sharegpt["exact_match"] == sharegpt["exact_match_no_head"] == sharegpt["exact_match_ngram"] == 1.0
 

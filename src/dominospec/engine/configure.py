@@ -33,6 +33,7 @@ def engine_options(cfg: EngineParams, linear: Optional[str] = None) -> EngineOpt
         ngram_num_draft=cfg.ngram_num_draft,
         ngram_assist=cfg.ngram_assist,
         ngram_fork=cfg.ngram_fork,
+        tree_width=cfg.tree_width,
         acceptance_window=cfg.acceptance_window,
         head_kernel=head_kernel(cfg.head_kernel),
         static_cache=graphs,

@@ -3,7 +3,8 @@
 On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's
 features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a chain of K_max or a
 prompt lookup proposes), the draft forward over the block with
-the base logits of K_max rows, and a K_max-step chain; each `repeats` times, the phases
+the base logits of K_max rows, a K_max-step chain, and (`tree_width` W > 1) W branches of K_max
+drafts (engine.branches); each `repeats` times, the phases
 interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
 the minimum is the machine's own cost, and K does not follow one descheduled sample). Greedy
 chain. The measurement runs on the engine's own runners (static caches and CUDA graphs when it
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dominospec.engine.policy import RoundCost
+from dominospec.engine.branches import draft_branches
 from dominospec.engine.rollout import draft_chain
 from dominospec.engine.sampling import Sampling
 
@@ -42,7 +44,7 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     if drafter is not None:
         drafter.extend(features.to(engine.draft_dtype))
     verify = {r: [] for r in range(1, R + 1)}
-    draft_ms, chain_ms = [], []
+    draft_ms, chain_ms, branch_ms = [], [], []
     rows = ids.repeat(R)[:R]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
@@ -61,9 +63,14 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             t2 = engine._now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
+            if engine.tree_width > 1:
+                draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.mode == "domino",
+                               engine.options.candidate_pool, engine.tree_width)
+                branch_ms.append(1000 * (engine._now() - t2) / K)
     return RoundCost(verify=nondecreasing([min(verify[r]) for r in verify]),
                      draft=min(draft_ms) if draft_ms else 0.0,
-                     rollout_step=min(chain_ms) if chain_ms else 0.0)
+                     rollout_step=min(chain_ms) if chain_ms else 0.0,
+                     branch_step=min(branch_ms) if branch_ms else 0.0)
 
 
 def nondecreasing(values: list[float]) -> list[float]:

@@ -1,33 +1,41 @@
-"""A fork round: the draft's chain and a prompt lookup verified together, in one target forward.
+"""Branching rounds: several proposals for the same positions, verified together in one target forward.
 
-Prompt lookup and the draft win on different stretches: a lookup on text that repeats the
-prompt or itself (code, lists, quotes), the draft elsewhere. A round that has both does not have
-to choose: it verifies a tree of two branches that share the round's first row, and keeps the
-one the target accepts further. On a CPU a verify of 11 rows costs about what one of 4 does
-(the forward streams the same weights), so the second branch is nearly free.
+A round may have more than one proposal for what follows x_start:
+- the draft's W most likely first tokens (`tree_width`), each continued by the draft (engine.branches):
+  when the draft's best guess is wrong, its second or third often is, and the head continues each
+  branch from its own first token;
+- a prompt lookup (`ngram_fork`): lookups and the draft win on different stretches, a lookup on text
+  that repeats the prompt or itself (code, lists, quotes), the draft elsewhere.
+It does not have to choose: it verifies a tree of branches that share the round's first row, and
+keeps the one the target accepts further. On a CPU a verify of 11 rows costs about what one of 4
+does (the forward streams the same weights), and on a GPU a small target's forward is launch-bound,
+so the extra branches are nearly free; auto-K (engine.policy.choose_tree) decides whether they are.
 
-The verify rows, T = 1 + K_d + K_l (`fork_tree`):
+The verify rows, T = 1 + sum(lengths) (`branch_tree`), branch b of length K_b at rows
+first_b .. first_b + K_b - 1 (first_0 = 1, first_{b+1} = first_b + K_b):
 
-    row 0                x_start            position start
-    rows 1 .. K_d        d_1 .. d_{K_d}     positions start+1 .. start+K_d      (the draft's chain)
-    rows K_d+1 .. T-1    l_1 .. l_{K_l}     positions start+1 .. start+K_l      (the lookup)
+    row 0                   x_start               position start
+    rows of branch b        p_1 .. p_{K_b}        positions start+1 .. start+K_b
 
 Each row attends to the committed context, to row 0, and to the rows before it in its own
-branch, never to the other branch: each branch's logits and features are those a chain of its
-own would get (up to the rounding of a wider forward). A chain is the tree of one branch
-(`chain_tree`).
+branch, never to another branch: each branch's logits and features are those a chain of its own
+would get (up to the rounding of a wider forward). A chain is the tree of one branch
+(`chain_tree`). The engine orders the branches: the draft's (its best first token first), then the
+lookup.
 
-Greedy acceptance on each branch (`accept_fork`) commits the target's own greedy tokens, so the
-branches agree on every token both accept, and the one that accepts more wins (a tie goes to the
-draft, whose rows are already in place). The target KV and the features then keep row 0 and the
-winner's rows (`Forked.rows`): the runner moves them into place (`select`) before the crop.
-Greedy only: under sampling, two proposals for one position need multi-draft rejection (as in
-SpecInfer), which the engine does not do; a sampled round verifies one branch.
+Greedy acceptance on each branch (`accept_branches`) commits the target's own greedy tokens, so the
+branches agree on every token two of them accept, and the one that accepts most wins (a tie goes to
+the earlier branch: the first draft branch's rows are already in place). The target KV and the
+features then keep row 0 and the winner's rows (`Branched.rows`): the runner moves them into place
+(`select`) before the crop. Greedy only: under sampling, several proposals for one position need
+multi-draft rejection (as in SpecInfer), which the engine does not do; a sampled round verifies one
+branch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -48,12 +56,16 @@ def chain_tree(T: int, device: torch.device) -> Tree:
     return Tree(torch.arange(T, device=device), torch.ones(T, T, dtype=torch.bool, device=device).tril())
 
 
-def fork_tree(kd: int, kl: int, device: torch.device) -> Tree:
-    """Row 0, a branch of kd rows, then a branch of kl rows (module docstring) -> their Tree."""
-    T = 1 + kd + kl
-    branch = torch.zeros(T, dtype=torch.long)  # 0: row 0 (shared), 1: the chain, 2: the lookup
-    branch[1:1 + kd], branch[1 + kd:] = 1, 2
-    depth = torch.cat([torch.arange(kd + 1), torch.arange(1, kl + 1)])
+def branch_tree(lengths: Sequence[int], device: torch.device) -> Tree:
+    """Row 0, then one branch per length, in order (module docstring) -> their Tree."""
+    T = 1 + sum(lengths)
+    branch = torch.zeros(T, dtype=torch.long)  # 0: row 0 (shared), b + 1: branch b
+    depth = torch.zeros(T, dtype=torch.long)
+    first = 1
+    for b, length in enumerate(lengths):
+        branch[first:first + length] = b + 1
+        depth[first:first + length] = torch.arange(1, length + 1)
+        first += length
     rows = torch.arange(T)
     same = (branch[:, None] == branch[None, :]) & (rows[None, :] <= rows[:, None])
     visible = same | (rows[None, :] == 0)  # every row sees row 0
@@ -61,23 +73,25 @@ def fork_tree(kd: int, kl: int, device: torch.device) -> Tree:
 
 
 @dataclass(frozen=True)
-class Forked:
-    """What a greedy fork round accepted: per branch, and the winner's."""
+class Branched:
+    """What a greedy branching round accepted: per branch, and the winner's."""
 
-    accepted_draft: int  # n_d: the draft's chain tokens the target accepted
-    accepted_lookup: int  # n_l: the lookup's
-    lookup_won: bool  # the lookup accepted more (its rows must move into place)
-    accepted: int  # n = max(n_d, n_l)
+    per_branch: list[int]  # n_b: the tokens of branch b the target accepted
+    winner: int  # the first branch with the most accepted (its rows must move into place unless it is branch 0)
+    accepted: int  # n = max_b n_b
     next_token: int  # the target's token after the winner's n accepted ones
     rows: list[int]  # [n + 1]: verify rows of x_start and the winner's accepted tokens, in order
 
 
-def accept_fork(chain: torch.Tensor, lookup: torch.Tensor, logits: torch.Tensor) -> Forked:
-    """Drafts [K_d], lookup [K_l], verify logits [1 + K_d + K_l, V] in fork_tree's row order -> Forked."""
-    kd = chain.shape[0]
-    n_d, next_d = accept_greedy(chain, logits[:kd + 1])
-    lookup_rows = [0] + list(range(kd + 1, kd + 1 + lookup.shape[0]))
-    n_l, next_l = accept_greedy(lookup, logits[lookup_rows])
-    if n_l > n_d:
-        return Forked(n_d, n_l, True, n_l, next_l, lookup_rows[:n_l + 1])
-    return Forked(n_d, n_l, False, n_d, next_d, list(range(n_d + 1)))
+def accept_branches(branches: Sequence[torch.Tensor], logits: torch.Tensor) -> Branched:
+    """Proposals [K_b] per branch, verify logits [1 + sum K_b, V] in branch_tree's row order -> Branched."""
+    per_branch, best, first = [], None, 1
+    for b, proposal in enumerate(branches):
+        rows = [0] + list(range(first, first + proposal.shape[0]))
+        n, nxt = accept_greedy(proposal, logits[rows])
+        per_branch.append(n)
+        if best is None or n > best[1]:
+            best = (b, n, nxt, rows[:n + 1])
+        first += proposal.shape[0]
+    winner, n, nxt, rows = best
+    return Branched(per_branch, winner, n, nxt, rows)

@@ -15,8 +15,10 @@ does), and auto-K keeps two acceptance models, one for lookups and one for the d
 each choosing its own K against its own round cost (a lookup round pays no draft forward).
 With `ngram_fork` as well (greedy), a round with a lookup hit drafts anyway and verifies both, the
 chain and the lookup, as two branches of one target forward (engine.fork), keeping the branch the
-target accepts further; auto-K then chooses (K_d, K_l) together (`choose_fork`), which may drop
-either branch.
+target accepts further. With `tree_width` W > 1 (greedy) a drafted round verifies the draft's W best
+first tokens as W branches, each drafted on (engine.branches), beside the lookup when there is one:
+a tree of branches sharing row 0. Auto-K chooses (W, K_d, K_l) together (`choose_tree`), which may
+narrow the tree to a chain or drop either side.
 
 A round (draft modes). `start` is the position of the last committed token x_start, which has no
 target KV yet; at the start of every round the target KV holds exactly positions 0..start-1, and
@@ -31,7 +33,7 @@ the same rows (invariant checked).
      features appended first -> z [B, H]; base logits u = lm_head(z[:K]) [K, V], all in the draft
      path's dtype (`EngineOptions.draft_dtype`: only verification must be exact).
   2. chain d_1..d_K (engine.rollout; candidate pool optional), cut where the draft's own
-     confidence product falls below `confidence_cut`.
+     confidence product falls below `confidence_cut`; or W branches of K (engine.branches).
   3. verify: one target forward over [x_start, d_1..d_K] (positions start..start+K), with the
      features of the draft's n target layers; acceptance (greedy match, or lossless speculative
      sampling) commits d_1..d_n + one target token.
@@ -53,12 +55,13 @@ import torch
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.fork import accept_fork, fork_tree
+from dominospec.engine.branches import draft_branches
+from dominospec.engine.fork import accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
-from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_fork, choose_k
+from dominospec.engine.policy import AcceptanceModel, RankModel, RoundCost, choose_k, choose_tree
 from dominospec.engine.rollout import DraftChain, draft_chain
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stats import Generation, GenerationStats
@@ -86,6 +89,7 @@ class EngineOptions:
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
     ngram_fork: bool = False  # with ngram_assist, greedy: ... verifies it beside the draft's chain, a two-branch tree (engine.fork)
+    tree_width: int = 1  # greedy draft rounds: verify the draft's W best first tokens, each drafted on (engine.branches); 1 = a chain
     head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
     static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
     cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
@@ -120,6 +124,9 @@ class SpecEngine:
         self._statics: dict[int, tuple] = {}
         self._static: Optional[tuple] = None  # the pair the current (or last) generation runs on
         self.lookup_k_max = 0  # the most tokens a prompt lookup proposes (0: no lookups)
+        self.tree_width = 1  # the most draft branches a greedy round verifies
+        if options.tree_width < 1:
+            raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {options.tree_width}")
         self._fresh_acceptance()
         if mode == "ar":
             return
@@ -153,6 +160,7 @@ class SpecEngine:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
         self.lookup_k_max = options.ngram_num_draft if options.ngram_assist else 0
+        self.tree_width = options.tree_width
         self._fresh_acceptance()
         self.layer_ids = list(draft.config.target_layer_ids)
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
@@ -169,6 +177,7 @@ class SpecEngine:
         """Auto-K's acceptance models, empty: the draft's chains, and prompt lookups (the same
         model in `ngram` mode, where lookups are the drafts; None without lookups)."""
         self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
+        self.ranks = RankModel(self.tree_width, self.options.acceptance_window)  # the draft's 2nd..W-th guesses
         self.lookup_acceptance: Optional[AcceptanceModel] = None
         if self.mode == "ngram":
             self.lookup_acceptance = self.acceptance
@@ -182,10 +191,12 @@ class SpecEngine:
 
     @property
     def max_verify(self) -> int:
-        """The most drafts one round can verify: a chain of K <= B, or a prompt lookup (both, forking)."""
+        """The most drafts one round can verify: W branches of K <= B (a chain: W = 1), or a prompt
+        lookup (both, forking)."""
+        drafts = self.num_draft * self.tree_width
         if self.forking:
-            return self.num_draft + self.lookup_k_max
-        return max(self.num_draft, self.lookup_k_max)
+            return drafts + self.lookup_k_max
+        return max(drafts, self.lookup_k_max)
 
     def _draft_path(self, draft: DFlashDraftModel):
         """The draft (and the LM head giving its base logits) in the draft path's dtype, packed when asked.
@@ -309,30 +320,39 @@ class SpecEngine:
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         x_start = torch.tensor([tokens[-1]], device=self.device)
         t0 = self._now()
-        K, lookup = self._plan(state, room, sampling.greedy)  # drafts to chain, lookup tokens to verify
+        W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
         chain, L = None, len(lookup)
         if K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
         t1 = self._now()
-        if K > 0:
+        if K > 0 and W > 1:
+            branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.mode == "domino",
+                                      self.options.candidate_pool, W)  # [W, K]
+        elif K > 0:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
                                 self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
                                 kernels=self.head_kernels, graphs=self.head_graphs)
             K = self._cut(chain)
+            branches = chain.tokens[:K][None]
         t2 = self._now()
 
-        draft_tokens = chain.tokens[:K] if K else x_start[:0]
         lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)
-        if K and L:  # a fork: both branches in one forward (greedy only, see _plan)
-            logits, features = state.kv.forward(torch.cat([x_start, draft_tokens, lookup_tokens])[None],
-                                                keep=1 + K + L, tree=fork_tree(K, L, self.device))
-            forked = accept_fork(draft_tokens, lookup_tokens, logits[0])
-            n, nxt, rows = forked.accepted, forked.next_token, forked.rows
-            accepted = lookup_tokens[:n] if forked.lookup_won else draft_tokens[:n]
-            stats.fork_rounds += 1
-            stats.fork_lookup_wins += forked.lookup_won
+        if K and (W > 1 or L):  # a tree: the draft's branches, and the lookup (greedy only, see _plan)
+            parts = list(branches) + ([lookup_tokens] if L else [])
+            logits, features = state.kv.forward(torch.cat([x_start, *parts])[None], keep=1 + W * K + L,
+                                                tree=branch_tree([K] * W + [L] * bool(L), self.device))
+            tree = accept_branches(parts, logits[0])
+            n, nxt, rows = tree.accepted, tree.next_token, tree.rows
+            accepted = parts[tree.winner][:n]
+            n_chain, n_draft = tree.per_branch[0], max(tree.per_branch[:W])
+            n_lookup = tree.per_branch[W] if L else 0
+            winner_rank = tree.winner + 1 if tree.winner < W and n_draft else 0
+            stats.fork_rounds += L > 0
+            stats.fork_lookup_wins += L > 0 and tree.winner == W
+            stats.tree_rounds += W > 1
+            stats.tree_side_wins += 0 < tree.winner < W
         else:
-            verified = lookup_tokens if L else draft_tokens  # one chain: the draft's, or the lookup
+            verified = lookup_tokens if L else branches[0] if K else x_start[:0]  # one chain: the draft's, or the lookup
             logits, features = state.kv.forward(torch.cat([x_start, verified])[None], keep=K + L + 1)
             logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
             if sampling.greedy:
@@ -342,50 +362,52 @@ class SpecEngine:
                 n, nxt = accept_sampled(verified, q, sampling.probs(logits), generator)
             accepted, rows = verified[:n], list(range(n + 1))
             stats.lookup_rounds += L > 0 and self.mode != "ngram"
+            n_chain = n_draft = n_lookup = n
+            winner_rank = 1 if K and n else 0
         proposed = accepted.tolist() + [nxt]
         m, reason = self._admit(tokens, proposed, budget)
         tokens += proposed[:m]
-        state.kv.select(rows[:m])  # a fork's lookup branch won: its rows into place
+        state.kv.select(rows[:m])  # a branch other than the first won: its rows into place
         state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
         if features is not None:
             state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
         t3 = self._now()
 
-        n_chain = forked.accepted_draft if K and L else n
-        n_lookup = forked.accepted_lookup if K and L else n
-        # by position: the draft's chains (in `ngram` mode its lookups); an assisting lookup is not the draft's
+        # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
         if self.mode == "ngram":
             stats.record_round(L, m, chain=(L, n))
         else:
-            stats.record_round(K + L, m, chain=(K, n_chain) if K else None)
+            stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
         if self.auto:
-            self._learn(K, n_chain, L, n_lookup)
+            self._learn(K, n_chain, L, n_lookup, W if K else 0, winner_rank)
         stats.draft_s += t1 - t0
         stats.rollout_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.draft_round_s += (t3 - t0) if K + L > 0 else 0.0
         return m, reason
 
-    def _plan(self, state, room: int, greedy: bool) -> tuple[int, list[int]]:
-        """-> (K, the drafts the chain will propose; the prompt-lookup tokens to verify), both 0 / []
-        for a plain step. Lookups first (`ngram` mode, ngram_assist); a hit replaces the chain, or,
-        forking (greedy), is verified beside it, with (K_d, K_l) chosen together by auto-K."""
+    def _plan(self, state, room: int, greedy: bool) -> tuple[int, int, list[int]]:
+        """-> (W, K, lookup): W branches of K drafts (a chain: W = 1; K = 0: no draft forward) and the
+        prompt-lookup tokens to verify; (1, 0, []) is a plain step. Lookups first (`ngram` mode,
+        ngram_assist): a hit replaces the draft, or, forking (greedy), is verified beside it. Greedy
+        rounds may branch (`tree_width`). Auto-K chooses (W, K, L) together when the round may branch."""
         lookup: list[int] = []
+        fork = greedy and self.forking
         if state.index is not None:
-            fork = greedy and self.forking
             lookup = state.index.propose(min(self.lookup_k_max if fork else self._choose_k(lookup=True), room))
-            if lookup and fork:
-                kd = min(self.num_draft, room)
-                if not self.auto:
-                    return kd, lookup
-                K, L = choose_fork(self.cost, self.acceptance.survival(), self.lookup_acceptance.survival(),
-                                   kd, len(lookup))
-                return K, lookup[:L]
-            if lookup:
-                return 0, lookup
+            if lookup and not fork:
+                return 1, 0, lookup
         if self.draft is None:
-            return 0, []
-        return min(self._choose_k(), room), []
+            return 1, 0, lookup
+        kd, width = min(self.num_draft, room), self.tree_width if greedy else 1
+        if not self.auto:
+            return width, kd, lookup
+        if not lookup and width == 1:
+            return 1, min(self._choose_k(), room), []
+        chain = self.acceptance.survival()
+        W, K, L = choose_tree(self.cost, chain, self.lookup_acceptance.survival() if lookup else [], kd, len(lookup),
+                              self.ranks.shares(chain[0]) if width > 1 else [], width)
+        return W, K, lookup[:L]
 
     def _choose_k(self, lookup: bool = False) -> int:
         """K_max, or auto-K's choice from the measured cost and the recent acceptance, for the
@@ -396,15 +418,17 @@ class SpecEngine:
         acceptance = self.lookup_acceptance if lookup else self.acceptance
         return choose_k(self.cost, acceptance.survival(), k_max, lookup=lookup)
 
-    def _learn(self, K: int, n_chain: int, L: int, n_lookup: int) -> None:
-        """A round that verified a chain of K drafts (n_chain accepted) and / or a lookup of L tokens
-        (n_lookup accepted) -> each acceptance model learns its own branch; a model whose branch was
-        not verified only ages (every round is one step of its window). In `ngram` mode the lookup
-        is the draft."""
+    def _learn(self, K: int, n_chain: int, L: int, n_lookup: int, width: int, winner_rank: int) -> None:
+        """A round that verified W = `width` draft branches of K drafts (n_chain accepted on the first,
+        the draft's best guess; `winner_rank` the 1-based rank of the first token accepted, 0: none)
+        and / or a lookup of L tokens (n_lookup accepted) -> each model learns its own part; a model
+        whose part was not verified only ages (every round is one step of its window). In `ngram`
+        mode the lookup is the draft."""
         if self.mode == "ngram":
             self.acceptance.update(L, n_lookup)
             return
         self.acceptance.update(K, n_chain)
+        self.ranks.update(width, winner_rank)
         if self.lookup_acceptance is not None:
             self.lookup_acceptance.update(L, n_lookup)
 

@@ -24,10 +24,12 @@ class GenerationStats:
     lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
     fork_rounds: int = 0  # ngram_fork: rounds that verified a lookup beside the draft's chain (engine.fork)
     fork_lookup_wins: int = 0  # of those, rounds whose lookup branch accepted more than the chain
+    tree_rounds: int = 0  # tree_width > 1: rounds that verified more than one of the draft's first guesses (engine.branches)
+    tree_side_wins: int = 0  # of those, rounds won by a branch other than the draft's best guess
     proposed: int = 0  # draft tokens verified, over all rounds
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
-    # by position: the draft's own chains (ngram_assist's lookups left out, a fork's chain branch in;
-    # in `ngram` its lookups)
+    # by position: the draft's own chains (ngram_assist's lookups left out, a fork's chain branch in,
+    # a tree's best draft branch; in `ngram` its lookups)
     position_accepted: list[int] = field(default_factory=list)  # [K_max] rounds whose draft k+1 was accepted
     position_proposed: list[int] = field(default_factory=list)  # [K_max] rounds that proposed draft k+1
     prefill_s: float = 0.0

@@ -96,6 +96,9 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "fork_round_share": sum(s.fork_rounds for s in stats) / rounds if rounds else None,  # ngram_fork: chain + lookup
         "fork_lookup_win_share": (sum(s.fork_lookup_wins for s in stats) / forks  # of those, the lookup's branch won
                                   if (forks := sum(s.fork_rounds for s in stats)) else None),
+        "tree_round_share": sum(s.tree_rounds for s in stats) / rounds if rounds else None,  # tree_width: > 1 first guess
+        "tree_side_win_share": (sum(s.tree_side_wins for s in stats) / trees  # of those, a guess after the best won
+                                if (trees := sum(s.tree_rounds for s in stats)) else None),
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
     }
 

@@ -34,7 +34,7 @@ from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
 from dominospec.engine.configure import engine_options, prepare_target, sampling_from
-from dominospec.engine.policy import choose_fork, choose_k
+from dominospec.engine.policy import choose_k, choose_tree
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
@@ -159,10 +159,19 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
             "acceptance_estimate_at_end": survival,
             "k_at_end": choose_k(cost, survival, engine.lookup_k_max, lookup=True),
         }
-        if engine.forking:  # the (K_d, K_l) a full lookup would get now
-            record["fork"] = {"k_at_end": list(choose_fork(cost, engine.acceptance.survival(), survival, k_max,
-                                                           engine.lookup_k_max))}
+        if engine.forking:  # the (W, K_d, K_l) a full lookup would get now
+            record["fork"] = {"k_at_end": list(choose_tree(cost, engine.acceptance.survival(), survival, k_max,
+                                                           engine.lookup_k_max, tree_shares(engine), engine.tree_width))}
+    if engine.tree_width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
+        record["tree"] = {"rank_share_estimate_at_end": tree_shares(engine),
+                          "k_at_end": list(choose_tree(cost, engine.acceptance.survival(), [], k_max, 0,
+                                                       tree_shares(engine), engine.tree_width))}
     return record
+
+
+def tree_shares(engine: SpecEngine) -> list[float]:
+    """-> the engine's estimate of r_2 .. r_W (engine.policy.RankModel) after its last generation."""
+    return engine.ranks.shares(engine.acceptance.survival()[0]) if engine.tree_width > 1 else []
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,

@@ -1,0 +1,74 @@
+"""Drafting W branches for one block (greedy): the draft's W most likely first tokens, each continued.
+
+The draft's first token is where τ is lost: on the embedded default its best guess is the target's
+token 39 % of the time on ShareGPT, and one of its best 4 guesses 58 % of the time
+(docs/benchmarks.md, "Draft trees"). So a round may verify the W best first tokens as W branches of
+one tree (engine.fork), each drafted on to K tokens:
+
+    branch 0:   c_0 = argmax u_0 (the chain's own d_1), then the chain after it
+    branch w:   c_w = the w-th most likely token of u_0 after c_0, then the chain after c_w
+
+Input: z [K, H] and base logits u [K, V] of the block (engine.rollout), x_start [1].
+- head off (`dflash`): slot j >= 1 drafts argmax u_j whatever came before it, so every branch
+  continues with the same tokens.
+- head on (`domino`): slot j >= P (pure_draft_prefix_len) drafts the argmax of u_j + delta_j, delta_j
+  from the GRU state of *its own branch* after [x_start, c_w, ...]: the head corrects each branch
+  for the prefix it actually has, which is what the head is for. The W branches step as one batch
+  of W rows (a step of W rows costs about what one of 1 does on a CPU), over the candidate pool of
+  the block (engine.rollout.candidate_pool) when there is one.
+Branch 0 with W = 1 is `draft_chain`'s greedy chain (the same ops). Only verification must be exact:
+the drafts only decide what is proposed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dominospec.engine.rollout import candidate_pool
+
+
+def first_tokens(u0: torch.Tensor, width: int) -> torch.Tensor:
+    """Base logits of slot 0 [V] -> [width] token ids: argmax first (the chain's d_1, ties as argmax
+    breaks them), then the next most likely in order."""
+    scores = u0.float()
+    best = scores.argmax()
+    if width == 1:
+        return best[None]
+    rest = scores.clone()
+    rest[best] = float("-inf")
+    return torch.cat([best[None], rest.topk(width - 1).indices])
+
+
+def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
+                   head: bool, pool_size: int, width: int) -> torch.Tensor:
+    """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long): branch w in row w (module docstring)."""
+    K, V = base_logits.shape
+    tokens = torch.empty(width, K, dtype=torch.long, device=base_logits.device)
+    tokens[:, 0] = first_tokens(base_logits[0], width)
+    if K == 1:
+        return tokens
+    independent = base_logits[1:].float().argmax(-1)  # [K-1]: slot j's token when nothing corrects it
+    if not head:
+        tokens[:, 1:] = independent
+        return tokens
+    P = int(draft.config.pure_draft_prefix_len)
+    cand = candidate_pool(base_logits, P, pool_size)
+    w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
+    if cand is not None:
+        w2, scored_base = w2[cand], base_logits[:, cand]  # [M, r], [K, M]: gathered once per block
+    zeros = z.new_zeros(1, draft.config.gru_hidden_dim)
+    state = draft.gru_step(embed_tokens(x_start), zeros).expand(width, -1)  # s_0 [W, G]: x_start consumed
+    state = draft.gru_step(embed_tokens(tokens[:, 0]), state)  # s_1: each branch's first token consumed
+    for j in range(1, K):
+        if j < P:  # a pure draft slot: the base logits, the same for every branch
+            tokens[:, j] = independent[j - 1]
+        else:
+            mid = draft.correction_hidden(z[j].expand(width, -1), state)  # [W, r]
+            best = (scored_base[j] + F.linear(mid.to(w2.dtype), w2)).float().argmax(-1)  # [W]
+            tokens[:, j] = best if cand is None else cand[best]
+        if j + 1 < K:
+            state = draft.gru_step(embed_tokens(tokens[:, j]), state)
+    return tokens
