@@ -22,6 +22,8 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     domino+ngram  the same with ngram_assist
     domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
                   two branches of one forward, engine.fork)
+    domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
+                  as W branches, each drafted on, engine.branches)
     ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
                   verify / AR step and the draft block replay captured graphs); "ar graphs" is our
                   CUDA-graph AR. Each is checked token for token against eager `ar`, and the speculative
@@ -61,8 +63,9 @@ from typing import Any, Callable, Optional
 import torch
 
 BENCH = Path(__file__).resolve().parent
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork",
-         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs")
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree",
+         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
+         "domino+tree graphs")
 GRAPHED = "ar graphs"  # our CUDA-graph AR: the baseline the graph'd speculative modes are held to
 TAUS = (2, 3, 4, 5)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -252,6 +255,9 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
                                                 dataclasses.replace(opts, ngram_assist=True)),
             "domino+fork" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)),
+            "domino+tree" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
+                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
+                                                                   tree_width=args.tree_width)),
         })
     wanted = set(args.modes.split(",")) | {"ar", "graph ar"}
     if any(m.endswith(" graphs") for m in wanted):
@@ -323,9 +329,11 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             p = pooled(gs)
             e2e["summary"]["all"][mode].update({k: p[k] for k in (
                 "draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round", "mean_drafts_per_round",
-                "lookup_round_share")})
+                "lookup_round_share", "fork_round_share", "fork_lookup_win_share", "tree_round_share",
+                "tree_side_win_share")})
         elif gs:
             e2e["summary"]["all"][mode]["ms_per_step"] = pooled(gs)["verify_ms_per_round"]
+    e2e["cost_ms"] = {mode: e.cost.as_dict() for mode, e in engines.items() if e.cost is not None}  # auto-K's tables
     try:  # did the graph ar recompile or break? (torch.compile's own counters)
         from torch._dynamo.utils import counters
         e2e["dynamo_counters"] = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break") if k in counters}
@@ -642,6 +650,7 @@ def main() -> None:
     parser.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
+    parser.add_argument("--tree-width", type=int, default=4, help="domino+tree: the draft's W best first tokens as W branches")
     parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (ar and graph ar always run)")
     parser.add_argument("--budget-seconds", type=float, default=540)

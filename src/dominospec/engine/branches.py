@@ -58,7 +58,7 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     cand = candidate_pool(base_logits, P, pool_size)
     w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
     if cand is not None:
-        w2, scored_base = w2[cand], base_logits[:, cand]  # [M, r], [K, M]: gathered once per block
+        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)  # [M, r], [K, M]: once per block
     zeros = z.new_zeros(1, draft.config.gru_hidden_dim)
     state = draft.gru_step(embed_tokens(x_start), zeros).expand(width, -1)  # s_0 [W, G]: x_start consumed
     state = draft.gru_step(embed_tokens(tokens[:, 0]), state)  # s_1: each branch's first token consumed

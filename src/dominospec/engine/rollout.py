@@ -51,7 +51,7 @@ def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Opt
     best = base_logits[first]  # [V]: the max over rows first..K-1, elementwise (a dim-0 reduction is 20x slower on CPU)
     for row in base_logits[first + 1:]:
         best = torch.maximum(best, row)
-    return torch.topk(best, pool_size).indices  # [M]
+    return torch.topk(best, pool_size, sorted=False).indices  # [M], in no order: the set is what counts (1.4x faster)
 
 
 def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
@@ -110,7 +110,8 @@ def _torch_steps(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start
     w2 = draft.embed_proj[2].weight  # [V, r]
     scored_base = base_logits
     if cand is not None:
-        w2, scored_base = w2[cand], base_logits[:, cand]  # [M, r], [K, M]: gathered once per block
+        # [M, r], [K, M]: gathered once per block (index_select: a tenth of an advanced index's time on CPU)
+        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)
 
     def score(j: int, state: torch.Tensor) -> torch.Tensor:
         mid = draft.correction_hidden(z[j][None], state)  # [1, r]
