@@ -1,0 +1,84 @@
+"""What a draft tree of W first guesses is worth to a trained draft: the walk over the target's answers.
+
+For the first N prompts of each suite the target answers greedily (our AR engine); at every
+position of the answer the draft's block is scored teacher-forced (train.objective, as the engine
+walk of eval.walk does). A tree of W first guesses (engine.branches) gets its first token right when
+the target's token is among the W most likely of the base logits u_0, and the branch that has it
+then goes on as the teacher-forced chain does (greedy drafting: exact). The walk over each answer
+(train.walk) then gives τ at K = B - 1 for each W, with the head and without.
+
+    python benchmarks/first_guesses.py [--params params.yaml] [--prompts 8] [--widths 1,2,3,4,6,8]
+
+Prints P(target's token among the first W guesses) and walk τ by W, per suite, as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def walk_tau(items: list, width: int, head: bool, num_draft: int) -> float:
+    """Per-answer scores -> pooled walk τ of a W-guess tree (train.walk's rule: n accepted, n + 1 emitted)."""
+    emitted = rounds = 0
+    for anchors, rank, right_head, right_base, end in items:
+        right = (right_head if head else right_base).clone()
+        right[:, 0] = rank < width
+        accepted = dict(zip(anchors.tolist(), right[:, :num_draft].long().cumprod(1).sum(1).tolist()))
+        a = int(anchors[0])
+        while a < end - 1:
+            n = min(accepted[a], num_draft, end - 2 - a)
+            emitted, rounds, a = emitted + n + 1, rounds + 1, a + n + 1
+    return emitted / rounds
+
+
+def main() -> None:
+    from dominospec.cache.features import target_hidden
+    from dominospec.config import load_params
+    from dominospec.engine import SpecEngine, draft_dir, load_draft
+    from dominospec.eval.prompts import load_suite
+    from dominospec.target import load_target
+    from dominospec.train.objective import draft_block_logits, make_blocks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--widths", default="1,2,3,4,6,8")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = load_params(args.params)
+    target = load_target(params.target)
+    draft = load_draft(draft_dir(params.paths), target)
+    config, K = draft.config, int(draft.config.block_size) - 1
+    ar = SpecEngine(target, None, "ar")
+    widths = [int(w) for w in args.widths.split(",")]
+    print("| suite | W | P(token among W guesses) | walk τ Domino | walk τ head off |\n|---|---|---|---|---|")
+    for spec in params.evaluate.suites:
+        suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts, params.evaluate.max_prompt_tokens)
+        items = []
+        for prompt in suite.prompts:
+            answer = ar.generate(prompt, args.new_tokens).token_ids
+            ids = torch.tensor(list(prompt) + answer)
+            mask = torch.zeros(ids.numel(), dtype=torch.bool)
+            mask[len(prompt):] = True
+            feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], list(config.target_layer_ids))[0]
+            anchors = torch.arange(len(prompt), ids.numel() - 1)  # every x_start a round may start from
+            blocks = make_blocks(ids[None], mask[None], 0, config.block_size, config.mask_token_id, anchors=[anchors])
+            with torch.no_grad():
+                base, final = draft_block_logits(draft, target.embed_tokens, target.lm_head, feats[None], blocks)
+            labels, valid = blocks.labels[0], blocks.label_mask[0]  # [A, B-1]
+            gold = base[0, :, 0].gather(1, labels[:, :1])  # [A, 1]: the target's token's base logit at slot 0
+            rank = (base[0, :, 0] > gold).sum(1)  # [A]: 0 = the draft's best guess
+            items.append((anchors, rank, (final[0].argmax(-1) == labels) & valid, (base[0].argmax(-1) == labels) & valid,
+                          ids.numel()))
+        ranks = torch.cat([item[1] for item in items])
+        for w in widths:
+            print(f"| {suite.name} | {w} | {float((ranks < w).float().mean()):.3f} | "
+                  f"{walk_tau(items, w, True, K):.3f} | {walk_tau(items, w, False, K):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
