@@ -50,11 +50,11 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     tokens[:, 0] = first_tokens(base_logits[0], width)
     if K == 1:
         return tokens
-    independent = base_logits[1:].float().argmax(-1)  # [K-1]: slot j's token when nothing corrects it
+    P = int(draft.config.pure_draft_prefix_len) if head else K  # slots 1..P-1: argmax u_j, the same for every branch
+    if P > 1:
+        tokens[:, 1:P] = base_logits[1:P].float().argmax(-1)
     if not head:
-        tokens[:, 1:] = independent
         return tokens
-    P = int(draft.config.pure_draft_prefix_len)
     cand = candidate_pool(base_logits, P, pool_size)
     w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
     if cand is not None:
@@ -63,9 +63,7 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     state = draft.gru_step(embed_tokens(x_start), zeros).expand(width, -1)  # s_0 [W, G]: x_start consumed
     state = draft.gru_step(embed_tokens(tokens[:, 0]), state)  # s_1: each branch's first token consumed
     for j in range(1, K):
-        if j < P:  # a pure draft slot: the base logits, the same for every branch
-            tokens[:, j] = independent[j - 1]
-        else:
+        if j >= P:  # a corrected slot (pure draft slots were filled above)
             mid = draft.correction_hidden(z[j].expand(width, -1), state)  # [W, r]
             best = (scored_base[j] + F.linear(mid.to(w2.dtype), w2)).float().argmax(-1)  # [W]
             tokens[:, j] = best if cand is None else cand[best]

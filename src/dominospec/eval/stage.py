@@ -151,6 +151,7 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         "acceptance_estimate_at_end": survival,  # P(>= k drafts accepted), k = 1..K_max, recent rounds
         "k_at_end": choose_k(cost, survival, k_max),
     }
+    ranks = tree_shares(engine)
     lookups = engine.lookup_acceptance
     if lookups is not None and lookups is not engine.acceptance:  # ngram_assist: the lookups' own model
         survival = lookups.survival()
@@ -161,11 +162,11 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         }
         if engine.forking:  # the (W, K_d, K_l) a full lookup would get now
             record["fork"] = {"k_at_end": list(choose_tree(cost, engine.acceptance.survival(), survival, k_max,
-                                                           engine.lookup_k_max, tree_shares(engine), engine.tree_width))}
+                                                           engine.lookup_k_max, ranks, engine.tree_width))}
     if engine.tree_width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
-        record["tree"] = {"rank_share_estimate_at_end": tree_shares(engine),
+        record["tree"] = {"rank_share_estimate_at_end": ranks,
                           "k_at_end": list(choose_tree(cost, engine.acceptance.survival(), [], k_max, 0,
-                                                       tree_shares(engine), engine.tree_width))}
+                                                       ranks, engine.tree_width))}
     return record
 
 
