@@ -4,7 +4,8 @@ One process; for each prompt every setup runs in turn (interleaved), so all see 
 under the same machine load. A setup is (linear kernels, draft dtype, candidate pool, mode, K):
 
     before   linear torch  (MKL, weights re-packed per call), draft in the target dtype, full vocabulary
-    after    linear packed (oneDNN, packed once),             draft bf16, pool M (engine params)
+    after    linear packed (oneDNN, packed once),             draft bf16, pool M (engine params),
+             grouped-query attention without repeated keys (engine.attention)
 
 Each side has its own AR baseline on its own target copy, so "round ÷ AR step" compares like with
 like (the AR baseline gets every kernel the verify forward gets).
@@ -47,6 +48,7 @@ def random_draft(params, target):
 def main() -> None:
     from dominospec.config import load_params
     from dominospec.engine import EngineOptions, SpecEngine, draft_dir, load_draft, pack_linears
+    from dominospec.engine.attention import use_grouped_sdpa
     from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import pooled
     from dominospec.target import load_target
@@ -76,6 +78,7 @@ def main() -> None:
         draft = random_draft(params, target) if args.random_draft else load_draft(args.draft or draft_dir(params.paths), target)
         if side == "after":
             pack_linears(target.model)
+            use_grouped_sdpa(target.model)
             options = EngineOptions(draft_dtype=torch.bfloat16, packed=True, candidate_pool=pool)
         else:
             options = EngineOptions()

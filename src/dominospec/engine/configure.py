@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from dominospec.config import EngineParams, EvaluateParams
+from dominospec.engine.attention import use_grouped_sdpa
 from dominospec.engine.packed import pack_linears, unpack_linears
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.spec import EngineOptions
@@ -73,7 +74,12 @@ def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[
     `auto` times a one-row forward of the target both ways (fastest of a few, `timer()` returning
     its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins
     depends on the CPU: packed ran the AR step 1.8-2.0x faster on a 2-core AMD EPYC, and 0.8x as
-    fast as torch's own on a 2-core Intel Xeon with AMX (docs/benchmarks.md)."""
+    fast as torch's own on a 2-core Intel Xeon with AMX (docs/benchmarks.md).
+
+    On CPU the target also attends with `grouped_sdpa` (engine.attention): a forward of several
+    rows reads the shared keys and values in place instead of copying them per query head."""
+    if target.device.type == "cpu":
+        use_grouped_sdpa(target.model)
     unpack_linears(target.model)  # from torch's kernels, whatever an earlier call chose (idempotent)
     if cfg.linear == "torch":
         return "torch"

@@ -1,0 +1,64 @@
+"""The target's attention on CPU: grouped-query heads read their shared keys and values in place.
+
+transformers' `sdpa` copies the keys and values of every layer to all query heads (`repeat_kv`)
+whenever a forward of more than one row comes with a mask: every verify, tree or chain, on a
+cached context. SmolLM2 has 9 query heads on 3 key/value heads, so a 12-row verify copied
+2 x 3 x 2 key/value tensors of the whole context per layer. On the 2-core EPYC at a 600-token
+context that copy cost more than the attention itself (docs/benchmarks.md, "Attention without
+repeated keys").
+
+`grouped_sdpa` hands torch's SDPA the key/value heads as they are (`enable_gqa=True`), with the
+same mask: the CPU kernel then maps each query head to its key/value head itself. For a forward
+of several rows its output equals the repeated path's to the bit on this CPU
+(tests/engine/test_attention.py checks it against `repeat_kv` + SDPA); a one-row step moves by
+float rounding against transformers' own one-row path. The AR step and the verify forward both use
+it, so greedy losslessness is checked on the same forwards as before. Off CPU, or for what it does not cover (a causal prefill over a
+cache, position biases), it hands over to transformers' own `sdpa`.
+
+`use_grouped_sdpa(model)` selects it for a model whose attention is `sdpa` (prepare_target does,
+for the one target every mode uses) -> whether it did.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "dominospec_grouped_sdpa"
+
+
+def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                 is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """query [B, H, T, D], key/value [B, H_kv, S, D], mask [B, 1, T, S] (bool or additive) or None
+    -> (attention output [B, T, H, D], None), as transformers' attention functions return it."""
+    T, S = query.shape[2], key.shape[2]
+    causal = attention_mask is None and T > 1 and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if (query.device.type != "cpu" or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or (causal and T != S)
+            or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, grouped_sdpa)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks sdpa gets (and a 4-D mask passed through)
+
+
+def use_grouped_sdpa(model: Any) -> bool:
+    """Switch `model` from `sdpa` to `grouped_sdpa` (idempotent) -> whether it now uses it."""
+    current = model.config._attn_implementation
+    if current == NAME:
+        return True
+    if current != "sdpa":
+        return False
+    model.set_attn_implementation(NAME)
+    return True
