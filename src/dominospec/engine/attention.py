@@ -2,18 +2,18 @@
 
 transformers' `sdpa` copies the keys and values of every layer to all query heads (`repeat_kv`)
 whenever a forward of more than one row comes with a mask: every verify, tree or chain, on a
-cached context. SmolLM2 has 9 query heads on 3 key/value heads, so a 12-row verify copied
-2 x 3 x 2 key/value tensors of the whole context per layer. On the 2-core EPYC at a 600-token
-context that copy cost more than the attention itself (docs/benchmarks.md, "Attention without
-repeated keys").
+cached context. SmolLM2 has 9 query heads on 3 key/value heads, so each verify copied every
+layer's cached keys and values three times over. On the 2-core EPYC, in a 12-row verify at a
+600-token context, the copies cost two thirds as much as the attention itself (docs/benchmarks.md,
+"Attention without repeated keys").
 
 `grouped_sdpa` hands torch's SDPA the key/value heads as they are (`enable_gqa=True`), with the
 same mask: the CPU kernel then maps each query head to its key/value head itself. For a forward
 of several rows its output equals the repeated path's to the bit on this CPU
 (tests/engine/test_attention.py checks it against `repeat_kv` + SDPA); a one-row step moves by
-float rounding against transformers' own one-row path. The AR step and the verify forward both use
-it, so greedy losslessness is checked on the same forwards as before. Off CPU, or for what it does not cover (a causal prefill over a
-cache, position biases), it hands over to transformers' own `sdpa`.
+float rounding against transformers' own one-row path. The AR baseline and the verify forward
+both run it. Off CPU, and for what it does not cover (no mask over a longer cache, position
+biases, one query head per key/value head), it hands over to transformers' own `sdpa`.
 
 `use_grouped_sdpa(model)` selects it for a model whose attention is `sdpa` (prepare_target does,
 for the one target every mode uses) -> whether it did.
