@@ -59,7 +59,7 @@ def test_several_rows_equal_repeated_keys_to_the_bit(H, H_kv, T, S, dtype):
 
 def test_one_row_within_rounding_of_transformers():
     g = torch.Generator().manual_seed(0)
-    query, key, value = torch.randn(1, 9, 1, 64, generator=g), torch.randn(1, 3, 300, 64, generator=g), torch.randn(1, 3, 300, 64, generator=g)
+    query, key, value = (torch.randn(1, h, n, 64, generator=g) for h, n in ((9, 1), (3, 300), (3, 300)))
     out, _ = grouped_sdpa(module(3), query, key, value, None, scaling=0.125)
     theirs, _ = sdpa_attention_forward(module(3), query, key, value, None, scaling=0.125)
     assert out.shape == theirs.shape == (1, 1, 9, 64)
@@ -98,7 +98,11 @@ def test_switching_a_model_keeps_its_logits_and_runs_through_it(monkeypatch):
         return kv.forward(rows, keep=9, tree=tree)[0]
 
     calls = []
-    spy = SimpleNamespace(scaled_dot_product_attention=lambda *a, **k: calls.append(k) or F.scaled_dot_product_attention(*a, **k))
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    spy = SimpleNamespace(scaled_dot_product_attention=counted)
     monkeypatch.setattr(attention, "F", spy)
     grouped = verify()
     assert len(calls) == 2 * target.num_layers and all(c["enable_gqa"] for c in calls)  # the prefill and the verify
