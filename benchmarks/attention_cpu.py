@@ -57,8 +57,8 @@ def forward_ms(target, S: int, T: int, reps: int) -> dict[str, float]:
     from dominospec.engine.target_kv import DynamicTargetKV
 
     ids = torch.randint(100, 40000, (1, S), generator=torch.Generator().manual_seed(S))
-    lengths = [T - 1 - 2 * ((T - 1) // 3), (T - 1) // 3, (T - 1) // 3] if T > 1 else []
-    tree = branch_tree([n for n in lengths if n], torch.device("cpu")) if T > 1 else None
+    lengths = [n for n in ((T - 1 + i) // 3 for i in range(3)) if n]  # T - 1 drafts over up to 3 branches
+    tree = branch_tree(lengths, torch.device("cpu")) if lengths else None
     kv = DynamicTargetKV(target.model, [1, 8, 14, 20, 27])
     times = {name: [] for name in ATTENTIONS}
     with torch.inference_mode():

@@ -24,11 +24,11 @@ printed is a summary table. MLflow logs to a sqlite store under --work; where it
 (sqlalchemy, cryptography) are missing, `--set mlflow.tracking_uri=file:///ABS/mlruns` with
 MLFLOW_ALLOW_FILE_STORE=true logs to a file store instead. A GPU image without `datasets` and
 `mlflow` takes them as wheels: `pip download --only-binary=:all: --python-version 3.12 --platform
-manylinux2014_x86_64 ... datasets==5.2.0 mlflow-skinny==3.17.2` resolves about 16 MB of wheels once
-the packages the image already has are dropped (dill, multiprocess, pydantic, fastapi, opentelemetry,
-databricks-sdk, gitpython among them), installed there with `pip install --no-deps --target`. Every stage runs in this one process,
-so each must leave global torch state as it found it (train and evaluate restore the fp32
-matmul precision they set).
+manylinux2014_x86_64 ... datasets==5.2.0 mlflow-skinny==3.17.2` resolves about 16 MB of wheels
+once the packages the image already has are dropped (dill, multiprocess, pydantic, fastapi,
+opentelemetry, databricks-sdk and gitpython remain), installed there with `pip install --no-deps
+--target`. Every stage runs in this one process, so each must leave global torch state as it
+found it (train and evaluate restore the fp32 matmul precision they set).
 """
 
 from __future__ import annotations

@@ -39,14 +39,25 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     -> (attention output [B, T, H, D], None), as transformers' attention functions return it."""
     T, S = query.shape[2], key.shape[2]
     causal = attention_mask is None and T > 1 and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    if (query.device.type != "cpu" or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or (causal and T != S)
-            or (attention_mask is not None and attention_mask.shape[1] != 1)):
+    if not _covers(query, key, attention_mask, causal, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _covers(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
+            kwargs: dict[str, Any]) -> bool:
+    """Whether `grouped_sdpa` computes this call itself: CPU, grouped heads, a mask shared by all
+    heads or a causal prefill over no cache, and none of sdpa's extras (position bias, softcap)."""
+    if query.device.type != "cpu" or query.shape[1] == key.shape[1]:
+        return False
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    if mask is None:
+        return not causal or query.shape[2] == key.shape[2]
+    return mask.shape[1] == 1
 
 
 AttentionInterface.register(NAME, grouped_sdpa)
