@@ -14,7 +14,8 @@ all see the same machine load:
     sampled    `train.loss_vocab: sampled`: the step's labels + train.loss_negatives uniform negatives
 
 A variant may carry `/bN` (N sequences a step instead of train.batch_size), `/aN` (N anchors a
-sequence instead of train.num_anchors) and `/lN` (N draft layers), e.g. `sampled/b8/a64/l2`.
+sequence instead of train.num_anchors), `/lN` (N draft layers) and `/g` (batches grouped by length,
+`train.group_by_length`; else random batches, as the stage draws them), e.g. `sampled/b8/a64/l2/g`.
  A block is one anchor's B slots; blocks/s is what training
 throughput means here (batch_size x num_anchors blocks per step).
 
@@ -61,17 +62,18 @@ class Timer:
         self.ms[name] += (time.perf_counter() - start) * 1e3
 
 
-def parse_variant(name: str, params) -> tuple[str, int, int, int]:
-    """`objective[/bN][/aN][/lN]` -> (objective, sequences a step, anchors a sequence, draft layers)."""
+def parse_variant(name: str, params) -> tuple[str, int, int, int, bool]:
+    """`objective[/bN][/aN][/lN][/g]` -> (objective, sequences a step, anchors a sequence, draft layers, grouped)."""
     objective, *opts = name.split("/")
     shape = {"b": params.train.batch_size, "a": params.train.num_anchors, "l": params.draft.num_layers}
-    for opt in opts:
+    grouped = "g" in opts
+    for opt in (o for o in opts if o != "g"):
         if opt[:1] not in shape or not opt[1:].isdigit():
-            raise SystemExit(f"error: variant {name!r}: options are /bN, /aN and /lN")
+            raise SystemExit(f"error: variant {name!r}: options are /bN, /aN, /lN and /g")
         shape[opt[0]] = int(opt[1:])
     if objective not in ("reference", "full", "data", "sampled"):
         raise SystemExit(f"error: variant {name!r}: objective must be reference, full, data or sampled")
-    return objective, shape["b"], shape["a"], shape["l"]
+    return objective, shape["b"], shape["a"], shape["l"], grouped
 
 
 def build(params, target, layer_ids, vocab, objective="full", layers=None, anchors=None):
@@ -155,7 +157,7 @@ def main() -> None:
     from dominospec.cache.features import resolve_layer_ids
     from dominospec.config import load_params
     from dominospec.target import load_target
-    from dominospec.train.datamodule import collate
+    from dominospec.train.datamodule import StepBatchSampler, collate
     from dominospec.train.objective import loss_vocabulary
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,15 +175,18 @@ def main() -> None:
     sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
     vocab = loss_vocabulary(sequences)
     variants = args.variants.split(",")
-    shapes = {v: parse_variant(v, params) for v in variants}  # objective, batch, anchors, layers
+    shapes = {v: parse_variant(v, params) for v in variants}  # objective, batch, anchors, layers, grouped
     setups = {v: build(params, target, layer_ids, vocab if o == "data" else None, o, layers, anchors)
-              for v, (o, _, anchors, layers) in shapes.items()}
+              for v, (o, _, anchors, layers, _) in shapes.items()}
+    lengths = [len(s["input_ids"]) for s in sequences]
+    batches = {v: list(StepBatchSampler(len(sequences), bs, 0, 0, args.steps + 1, lengths=lengths if grouped else None))
+               for v, (_, bs, _, _, grouped) in shapes.items()}
     timers = {v: Timer() for v in variants}
     feature_dim = len(layer_ids) * target.hidden_size
     for i in range(args.steps + 1):  # step 0 warms up (allocator, oneDNN primitives)
         for v in variants:
-            objective, bs, _, _ = shapes[v]
-            items = [sequences[(i * bs + b) % len(sequences)] for b in range(bs)]
+            objective = shapes[v][0]
+            items = [sequences[j] for j in batches[v][i]]
             batch = collate(items)
             batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
             timer = timers[v] if i else Timer()
@@ -191,11 +196,11 @@ def main() -> None:
     print(f"{datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__} "
           f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}, "
           f"{params.train.loss_negatives} sampled negatives; B={params.draft.block_size}, {args.steps} steps")
-    print("\n| objective | sequences | anchors | layers | " + " | ".join(f"{p} ms" for p in PHASES)
+    print("\n| objective | sequences | anchors | layers | batches | " + " | ".join(f"{p} ms" for p in PHASES)
           + " | step ms | blocks/s |")
-    print("|---|---|---|---|" + "---|" * (len(PHASES) + 2))
+    print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 2))
     for v in variants:
-        objective, bs, anchors, layers = shapes[v]
+        objective, bs, anchors, layers, grouped = shapes[v]
         ms = {p: timers[v].ms[p] / args.steps for p in PHASES}
         total = sum(ms.values())
         name = {"reference": f"full vocabulary ({target.identity.vocab_size}), fp32 F.cross_entropy",
@@ -203,7 +208,7 @@ def main() -> None:
                 "data": f"loss vocabulary ({vocab.numel()}), chunked CE",
                 "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE"}[objective]
         blocks = bs * anchors
-        print(f"| {name} | {bs} | {anchors} | {layers} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
+        print(f"| {name} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
               + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
 
 

@@ -169,7 +169,9 @@ def run_variant(params, target, steps: int, skip: int, overrides: dict[str, str]
     start = time.perf_counter()
     with knobs(overrides) as collate:  # as the train stage runs it, but for the variant's knobs
         loader = torch.utils.data.DataLoader(
-            data, batch_sampler=StepBatchSampler(len(data), params.train.batch_size, 0, 0, steps), collate_fn=collate)
+            data, collate_fn=collate, batch_sampler=StepBatchSampler(
+                len(data), params.train.batch_size, 0, 0, steps,
+                lengths=[len(it["input_ids"]) for it in data.items] if params.train.group_by_length else None))
         trainer.fit(module, train_dataloaders=loader)
     wall = time.perf_counter() - start
     step_s = clock.seconds_per_step()

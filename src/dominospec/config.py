@@ -126,6 +126,7 @@ class TrainParams:
     features: Literal["cache", "online"]  # online: target features computed in the step
     max_steps: int
     batch_size: int
+    group_by_length: bool  # batches of similar lengths (less padding for the target and the draft's context)
     num_anchors: int
     lr: float
     min_lr_ratio: float
@@ -139,6 +140,7 @@ class TrainParams:
     init_from_target: bool  # draft layers start as copies of the target layers after the deepest feature
     loss_vocab: Literal["full", "data", "sampled"]  # data: only tokens the train split supervises; sampled: the step's labels + loss_negatives random tokens (log-corrected)
     loss_negatives: int  # loss_vocab: sampled: uniform negatives per step (>= 1; >= V means the full softmax)
+    ce_kernel: Literal["auto", "torch", "triton"]  # the loss's cross-entropy: chunked torch ops, or one fused Triton kernel (dominospec.kernels.cross_entropy); auto = triton on CUDA
     val_every_steps: int
     val_max_sequences: int
     checkpoint_every_steps: int

@@ -65,3 +65,17 @@ def test_any_chunk_size_gives_the_same_losses_and_gradients(monkeypatch, chunk):
     chunked_cross_entropy(ours, labels).sum().backward()
     reference(ref, labels).sum().backward()
     torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=1e-6)
+
+
+def test_the_ce_switch_keeps_the_torch_chunks_off_cuda_and_refuses_triton_where_it_cannot_run(monkeypatch):
+    """train.ce_kernel: torch and auto (off CUDA) give the chunks; triton on a CPU without the
+    interpreter is a UserError that names the key (the kernel itself: tests/kernels/test_cross_entropy.py)."""
+    from dominospec.errors import UserError
+    from dominospec.train.chunked_ce import row_cross_entropy
+
+    cpu = torch.device("cpu")
+    assert row_cross_entropy("torch", cpu) is chunked_cross_entropy
+    assert row_cross_entropy("auto", cpu) is chunked_cross_entropy
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError, match="train.ce_kernel: triton cannot run on cpu"):
+        row_cross_entropy("triton", cpu)

@@ -75,9 +75,13 @@ def test_online_target_labels_are_the_targets_argmax_and_cover_user_turns():
              for n in (14, 10)]  # no assistant token at all: data labels would train nothing
     batch = collate(items)
     logits = target(input_ids=batch["input_ids"], attention_mask=module._attention_mask(batch)).logits
-    blocks = module._train_blocks(batch, logits)
-    assert blocks.label_mask.any()
     nxt = logits.argmax(-1)
+    feats, online = module.features_and_next(batch)  # the online step's labels: no [B, T, V] logits held
+    real = module._attention_mask(batch).bool()
+    assert torch.equal(online[real], nxt[real])
+    torch.testing.assert_close(feats, module.features(batch))
+    blocks = module._train_blocks(batch, online)
+    assert blocks.label_mask.any()
     for b in range(2):
         n = int(batch["lengths"][b])
         for k, a in enumerate(blocks.anchors[b][blocks.block_keep[b]].tolist()):

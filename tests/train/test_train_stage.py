@@ -145,10 +145,15 @@ def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("softmax", [dict(loss_vocab="full"), dict(loss_vocab="sampled", loss_negatives=16)])
+@pytest.mark.parametrize("softmax", [
+    dict(loss_vocab="full"),
+    dict(loss_vocab="sampled", loss_negatives=16),
+    dict(group_by_length=True, features="online", labels="target"),
+])
 def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path, softmax):
     """A resumed run's steps equal the uninterrupted run's, also with a sampled softmax (16 of the
-    tiny vocabulary's 300 tokens a step: the set is drawn from a generator seeded by step)."""
+    tiny vocabulary's 300 tokens a step: the set is drawn from a generator seeded by step), and with
+    batches grouped by length from online features and the target's labels."""
     from dominospec.train.stage import train
 
     full = tmp_path / "full"
@@ -238,3 +243,16 @@ def test_training_numerics_turn_off_cudnn_attention_and_restore_it():
         assert backends.cudnn_sdp_enabled()  # restored, also after an error
     finally:
         backends.enable_cudnn_sdp(before)
+
+
+def test_both_datasets_know_their_lengths_without_reading_features(tiny_cache):
+    """train.group_by_length reads each sequence's length: from the cache's offsets, or the prepared ids."""
+    from dominospec.cache.reader import CacheReader
+    from dominospec.train.datamodule import CachedSequences, PreparedSequences
+
+    raw = yaml.safe_load((tiny_cache / "params.yaml").read_text())
+    cached = CachedSequences(CacheReader(raw["paths"]["cache"], "train"), limit=30)
+    prepared = PreparedSequences(Path(raw["paths"]["regenerated"]), "train")
+    assert cached.lengths() == [len(cached[i]["input_ids"]) for i in range(len(cached))]
+    assert prepared.lengths() == [len(prepared[i]["input_ids"]) for i in range(len(prepared))]
+    assert len(set(prepared.lengths())) > 1

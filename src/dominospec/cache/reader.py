@@ -51,6 +51,10 @@ class CacheReader:
     def __len__(self) -> int:
         return self._starts[-1]
 
+    def lengths(self) -> list[int]:
+        """Tokens of each sequence [len(self)], from the shards' offsets (no features read)."""
+        return [n for k in range(len(self._shards)) for n in self._open(k)[1].diff().tolist()]
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """Sequence index -> {'input_ids' [T] int64, 'loss_mask' [T] bool, 'target_next' [T] int64,
         'target_hidden' [T, n*H] cache dtype}."""

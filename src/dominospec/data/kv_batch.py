@@ -68,6 +68,8 @@ class SlotKV(Cache):
         self._slot: int | None = None  # the slot being prefilled alone
         self._pack: tuple[list[int], list[int]] | None = None  # (slots, lengths) of a packed prefill
         self._masks: list[torch.Tensor] = []  # decoding: per group additive mask [n_g, 1, 1, C_g]
+        self._columns: list[torch.Tensor] = []  # decoding: per group the column each slot writes [n_g], on `device`
+        self._rows: dict[int, torch.Tensor] = {}  # n_g -> arange(n_g) on `device` (index tensors made once, not per layer)
 
     @property
     def slots(self) -> int:
@@ -117,12 +119,14 @@ class SlotKV(Cache):
         """Set up a forward of one token per slot -> (position_ids [S, 1], additive mask [S, 1, 1, C]).
         The attention reads each group's own mask [n_g, 1, 1, C_g]; the [S, .., C] one is what HF is given."""
         self._slot, self._pack = None, None
-        self._masks = []
+        self._masks, self._columns = [], []
+        lengths = self.lengths.to(self.device)  # one copy a step: every layer's writes index with it
         for g in range(self.num_groups):
             first, end = self.group_range(g)
             self._reserve(g, int(self.lengths[first:end].max()) + 1)
-            allowed = torch.arange(self.capacities[g])[None, :] <= self.lengths[first:end, None]  # [n_g, C_g]
-            self._masks.append(_additive(allowed[:, None, None, :], dtype).to(self.device))
+            allowed = torch.arange(self.capacities[g], device=self.device)[None, :] <= lengths[first:end, None]  # [n_g, C_g]
+            self._masks.append(_additive(allowed[:, None, None, :], dtype))
+            self._columns.append(lengths[first:end])
         allowed = torch.arange(self.capacity)[None, :] <= self.lengths[:, None]  # [S, C]
         return self.lengths[:, None].clone(), _additive(allowed[:, None, None, :], dtype)
 
@@ -152,7 +156,7 @@ class SlotKV(Cache):
         for g in range(self.num_groups):
             first, end = self.group_range(g)
             self._fit_buffers(layer_idx, g, key_states)
-            rows, columns = torch.arange(end - first), self.lengths[first:end]
+            rows, columns = self._group_rows(end - first), self._columns[g]
             keys[g][rows, :, columns] = key_states[first:end, :, 0]  # [n_g, kv, d] each at its slot's column
             values[g][rows, :, columns] = value_states[first:end, :, 0]
         return key_states, value_states
@@ -161,6 +165,11 @@ class SlotKV(Cache):
         """Decoding: per group (first slot, end slot, keys, values [n_g, kv, C_g, d], mask [n_g, 1, 1, C_g])."""
         return [(*self.group_range(g), self.keys[layer_idx][g], self.values[layer_idx][g], self._masks[g])
                 for g in range(self.num_groups)]
+
+    def _group_rows(self, n: int) -> torch.Tensor:
+        if n not in self._rows:
+            self._rows[n] = torch.arange(n, device=self.device)
+        return self._rows[n]
 
     def advance(self, slots: torch.Tensor, n: int | torch.Tensor) -> None:
         """After a forward: `slots` now hold their n new tokens (n: one count, or one per slot)."""
@@ -241,7 +250,7 @@ class SlotKV(Cache):
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool mask (True = attend) -> additive mask of 0 / -inf."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _decode_one_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -131,6 +131,7 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
         num_workers=params.train.num_workers,
         seed=params.train.seed,
         train_limit=train_limit,
+        group_by_length=params.train.group_by_length,
     )
     module = DraftLitModule(
         draft,

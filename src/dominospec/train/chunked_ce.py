@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from dominospec.errors import UserError
+
 CHUNK_ROWS = 64  # rows per fp32 chunk on a CPU: 64 x 49,152 x 4 B = 12.6 MB, within a core's L2/L3 reach
 DEVICE_CHUNK_BYTES = 1 << 29  # on an accelerator: fp32 chunks of up to 512 MiB (4 tensors live at once)
 
@@ -58,3 +60,24 @@ class _ChunkedCE(torch.autograd.Function):
 def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """logits [N, V] (any float dtype), labels [N] long in 0..V-1 -> per-row CE [N] fp32."""
     return _ChunkedCE.apply(logits, labels)
+
+
+def row_cross_entropy(kernel: str, device: torch.device):
+    """train.ce_kernel (auto | torch | triton) on `device` -> the per-row CE the loss uses:
+    `chunked_cross_entropy`, or the fused Triton kernel (dominospec.kernels.cross_entropy: one
+    read of the logits forward, one read and one write backward). auto = the kernel on CUDA when
+    triton imports. Raises UserError for `triton` where it cannot run."""
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return chunked_cross_entropy
+    try:
+        from dominospec.kernels import cross_entropy as fused
+    except ImportError as e:
+        if kernel == "auto":
+            return chunked_cross_entropy
+        raise UserError(f"train.ce_kernel: triton needs the triton package ({e}); set train.ce_kernel: torch") from e
+    if not fused.available(device):
+        if kernel == "auto":
+            return chunked_cross_entropy
+        raise UserError(f"train.ce_kernel: triton cannot run on {device} (needs CUDA, or TRITON_INTERPRET=1); "
+                        "set train.ce_kernel: torch or auto")
+    return fused.cross_entropy

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dominospec.config import TrainParams
 from dominospec.models.domino import DFlashDraftModel
+from dominospec.train.chunked_ce import row_cross_entropy
 from dominospec.train.sampled_vocab import sample_vocabulary
 from dominospec.train.walk import WalkStats, walk_sequence
 from dominospec.train.objective import (
@@ -92,6 +93,7 @@ class DraftLitModule(L.LightningModule):
         self.val_loss_sum, self.val_batches = 0.0, 0
         self.walk_head, self.walk_base = WalkStats(), WalkStats()
         self.last_summary: dict[str, Any] = {}
+        self._row_ce: Any = None  # train.ce_kernel, resolved on the device of the first step
 
     # ---- frozen target parts -------------------------------------------------------------------
 
@@ -115,9 +117,19 @@ class DraftLitModule(L.LightningModule):
 
         return target_hidden(self._target(), batch["input_ids"], self._attention_mask(batch), self.layer_ids).clone()
 
+    def features_and_next(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch -> (target features [B, T, n*H], the target's greedy next token [B, T]): one whole
+        target forward whose LM head runs on row chunks, so no [B, T, V] logits are held (online
+        `train.labels: target` with hard labels)."""
+        from dominospec.cache.features import target_hidden_and_next
+
+        feats, nxt = target_hidden_and_next(self._target(), batch["input_ids"], self._attention_mask(batch),
+                                            self.layer_ids, chunk_rows=4096)
+        return feats.clone(), nxt.clone()
+
     def features_and_teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch -> (target features [B, T, n*H], target logits [B, T, V]): one whole target
-        forward, for `train.loss: kd` and online `train.labels: target`."""
+        forward, for `train.loss: kd` (distillation needs the whole distribution)."""
         from dominospec.cache.features import target_hidden_and_logits
 
         feats, logits = target_hidden_and_logits(self._target(), batch["input_ids"], self._attention_mask(batch),
@@ -150,16 +162,20 @@ class DraftLitModule(L.LightningModule):
         """lambda at the current optimiser step (1 -> 0 over lambda_decay_fraction of max_steps)."""
         return curriculum_lambda(self.global_step, self.trainer.max_steps, self.hp.lambda_decay_fraction)
 
-    def _train_blocks(self, batch: dict[str, torch.Tensor], target_logits: Optional[torch.Tensor]):
+    def row_ce(self):
+        """The per-row cross-entropy of the loss (train.ce_kernel on this module's device)."""
+        if self._row_ce is None:
+            self._row_ce = row_cross_entropy(self.hp.ce_kernel, self.device)
+        return self._row_ce
+
+    def _train_blocks(self, batch: dict[str, torch.Tensor], target_next: Optional[torch.Tensor]):
         """This step's blocks. train.labels: data -> labels are the data's tokens on loss-masked
         positions; target -> every real position after the first is supervised by the target's
-        own greedy token (cached `target_next` [B, T], or the argmax of the online logits)."""
+        own greedy token (`target_next` [B, T]: cached, or from the online forward)."""
         generator = self._generator(self.global_step)
         if self.hp.labels == "data":
             return self._blocks(batch, generator)
-        target_next = batch.get("target_next")
-        if target_next is None:
-            target_next = target_logits.argmax(-1)
+        target_next = batch.get("target_next", target_next)
         ids = batch["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
         supervised = (positions >= 1) & (positions < batch["lengths"].to(ids.device)[:, None])  # [B, T]
@@ -168,12 +184,15 @@ class DraftLitModule(L.LightningModule):
                            label_ids=target_label_ids(ids, target_next.to(ids.device)))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        teacher = target_logits = None
-        if self.hp.loss == "kd" or (self.hp.labels == "target" and "target_next" not in batch):
+        teacher = target_logits = target_next = None
+        if self.hp.loss == "kd":
             feats, target_logits = self.features_and_teacher(batch)
+            target_next = target_logits.argmax(-1) if self.hp.labels == "target" else None
+        elif self.hp.labels == "target" and "target_next" not in batch:
+            feats, target_next = self.features_and_next(batch)
         else:
             feats = self.features(batch)
-        blocks = _to(self._train_blocks(batch, target_logits), self.device)
+        blocks = _to(self._train_blocks(batch, target_next), self.device)
         if self.hp.loss == "kd":
             teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
         labels, label_mask = blocks.labels, blocks.label_mask
@@ -194,7 +213,8 @@ class DraftLitModule(L.LightningModule):
             labels, label_mask = columns.clamp(min=0), label_mask & (columns >= 0)
             teacher = None if teacher is None else teacher.index_select(-1, vocab)
         lam = self.curriculum()
-        loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam, teacher)
+        loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam, teacher,
+                                                    self.row_ce())
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log("train/loss_base", loss_base, batch_size=bs)
@@ -213,7 +233,8 @@ class DraftLitModule(L.LightningModule):
         feats = self.features(batch)
         blocks = _to(self._blocks(batch, self._generator(10**9 + batch_idx)), self.device)  # fixed anchors
         base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
-        _, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights, 0.0)
+        _, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights, 0.0,
+                                                 ce=self.row_ce())
         self.val_base.update(base, blocks.labels, blocks.label_mask)
         self.val_head.update(final if final is not None else base, blocks.labels, blocks.label_mask)
         self.val_loss_sum += float(loss_final)

@@ -19,7 +19,7 @@ greedy drafting because the teacher-forced prefix equals the drafted one wheneve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -252,11 +252,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
 
 
-def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+RowCE = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits [N, V], labels [N] -> CE [N] fp32
+
+
+def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor,
+                ce: RowCE = chunked_cross_entropy) -> torch.Tensor:
     """logits [..., Bk, V], labels / label_mask [..., Bk], w [Bk] -> scalar sum(w*CE) / sum(w)
-    over supervised slots (0, still attached to the graph, when nothing is supervised)."""
+    over supervised slots (0, still attached to the graph, when nothing is supervised). `ce` is the
+    per-row cross-entropy (= F.cross_entropy in fp32): chunked torch ops, or the fused kernel."""
     V = logits.shape[-1]
-    ce = chunked_cross_entropy(logits.reshape(-1, V), labels.reshape(-1)).view(labels.shape)  # = F.cross_entropy(fp32)
+    ce = ce(logits.reshape(-1, V), labels.reshape(-1)).view(labels.shape)
     w = weights.to(ce.device) * label_mask.float()  # [..., Bk]
     return (w * ce).sum() / w.sum().clamp(min=1e-12)
 
@@ -301,13 +306,14 @@ def domino_loss(
     weights: torch.Tensor,
     lam: float,
     teacher_logits: Optional[torch.Tensor] = None,
+    ce: RowCE = chunked_cross_entropy,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (L, L_base, L_final) with L = (1 - lam) * L_final + lam * L_base. Without a head
     (final_logits None) L = L_base = L_final. L_base depends on z only: no gradient into the head.
     With `teacher_logits` [..., Bk, V] both terms distil the target's distribution (`soft_ce`)
     instead of the hard labels."""
     if teacher_logits is None:
-        term = lambda logits: weighted_ce(logits, labels, label_mask, weights)  # noqa: E731
+        term = lambda logits: weighted_ce(logits, labels, label_mask, weights, ce)  # noqa: E731
     else:
         term = lambda logits: soft_ce(logits, teacher_logits, label_mask, weights)  # noqa: E731
     loss_base = term(base_logits)

@@ -30,6 +30,7 @@ def run_fingerprint(params: Params, data_fingerprint: str) -> str:
     """Hash of everything that makes a checkpoint resumable: draft, train params, data, target."""
     keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
     keys.pop("train.max_steps", None)  # extending a run keeps its checkpoints
+    keys.pop("train.ce_kernel", None)  # the same losses either way: a run may resume on another device
     blob = json.dumps({"params": keys, "data": data_fingerprint}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -1,0 +1,80 @@
+"""The regenerate stage's decoder on its own: decode steps a second of `ReplyStream` over `SlotKV`.
+
+A target of SmolLM2-135M-Instruct's shapes with random weights (the values change nothing of the
+cost), S slots of random prompts (40..600 tokens, as ShareGPT first turns), every reply decoded to
+its full budget (no stop token: the worst case, and the stage's most common one: 64 % of the
+preset's replies hit the cap). Reports the prefill time, decode steps/s and tokens/s, and with
+`--profile` the ops of a few decode steps under torch.profiler.
+
+    python benchmarks/decode_steps.py [--slots 1024] [--new-tokens 64] [--dtype float32] [--group N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dominospec.data.decoder import DecodePolicy, ReplyStream
+    from dominospec.data.kv_batch import SlotKV, grouped_attention_on
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slots", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--group", type=int, default=None, help="slots per KV group (default: kv_batch's for the device)")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(device, getattr(torch, args.dtype)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = sorted((torch.randint(0, 49152, (int(torch.randint(40, 600, (1,), generator=g)),), generator=g).tolist()
+                      for _ in range(args.slots)), key=len)  # the stage sorts a chunk by prompt length
+    kv = SlotKV(config.num_hidden_layers, args.slots, capacity=64, limit=1025, group_slots=args.group, device=device)
+    stream = ReplyStream(model, kv, DecodePolicy(stop_ids=()))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with grouped_attention_on(model, kv):
+        for i, ids in enumerate(prompts):
+            stream.start(i, ids, args.new_tokens)
+        tick = time.perf_counter()
+        stream.step()  # the packed prefill of every slot, then the first decode step
+        sync()
+        prefill = time.perf_counter() - tick
+        steps, tick = 0, time.perf_counter()
+        profiler = None
+        while stream.running:
+            if args.profile and steps == 8:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                profiler = profile(activities=activities)
+                profiler.__enter__()
+            stream.step()
+            steps += 1
+            if profiler is not None and steps == 12:
+                sync()
+                profiler.__exit__(None, None, None)
+                print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+                if device.type == "cuda":
+                    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
+                profiler = None
+        sync()
+        decode = time.perf_counter() - tick
+    row = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "slots": args.slots, "group": kv.group_slots,
+           "dtype": args.dtype, "prefill_s": round(prefill, 2), "decode_steps": steps, "decode_s": round(decode, 2),
+           "ms_per_step": round(1e3 * decode / max(1, steps), 2), "tokens_per_s": round(args.slots * steps / decode)}
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
