@@ -3,8 +3,10 @@
 A target of SmolLM2-135M-Instruct's shapes with random weights (the values change nothing of the
 cost), S slots of random prompts (40..600 tokens, as ShareGPT first turns), every reply decoded to
 its full budget (no stop token: the worst case, and the stage's most common one: 64 % of the
-preset's replies hit the cap). Reports the prefill time, decode steps/s and tokens/s, and with
-`--profile` the ops of a few decode steps under torch.profiler.
+preset's replies hit the cap). Reports the prefill time, decode steps/s and tokens/s (the
+decode time includes freeing the finished slots, as the stage does, so the last step pays the
+caches' compaction), and with `--profile` the ops of a packed prefill and of 4 decode steps on a
+quarter of the slots, under torch.profiler.
 
     python benchmarks/decode_steps.py [--slots 1024] [--new-tokens 64] [--dtype float32] [--group N] [--profile]
 """
@@ -43,6 +45,22 @@ def main() -> None:
     kv = SlotKV(config.num_hidden_layers, args.slots, capacity=64, limit=1025, group_slots=args.group, device=device)
     stream = ReplyStream(model, kv, DecodePolicy(stop_ids=()))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def profiled(label: str, steps: int) -> None:
+        """`steps` calls of `stream.step()` (the stream of the moment) under torch.profiler -> its top ops, printed."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                for key, _ in stream.step():
+                    stream.end(key)
+            sync()
+        print(f"== {label}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+        if device.type == "cuda":
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+
     with grouped_attention_on(model, kv):
         for i, ids in enumerate(prompts):
             stream.start(i, ids, args.new_tokens)
@@ -51,29 +69,25 @@ def main() -> None:
         sync()
         prefill = time.perf_counter() - tick
         steps, tick = 0, time.perf_counter()
-        profiler = None
         while stream.running:
-            if args.profile and steps == 8:
-                from torch.profiler import ProfilerActivity, profile
-
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-                profiler = profile(activities=activities)
-                profiler.__enter__()
-            stream.step()
+            for key, _ in stream.step():
+                stream.end(key)  # as the stage does: a finished conversation frees its slot
             steps += 1
-            if profiler is not None and steps == 12:
-                sync()
-                profiler.__exit__(None, None, None)
-                print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
-                if device.type == "cuda":
-                    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
-                profiler = None
         sync()
         decode = time.perf_counter() - tick
     row = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "slots": args.slots, "group": kv.group_slots,
            "dtype": args.dtype, "prefill_s": round(prefill, 2), "decode_steps": steps, "decode_s": round(decode, 2),
            "ms_per_step": round(1e3 * decode / max(1, steps), 2), "tokens_per_s": round(args.slots * steps / decode)}
     print(json.dumps(row))
+    if args.profile:  # again, a quarter of the slots in a fresh cache: the prefill, then 4 decode steps
+        kv = SlotKV(config.num_hidden_layers, args.slots // 4, capacity=64, limit=1025, group_slots=args.group,
+                    device=device)
+        stream = ReplyStream(model, kv, DecodePolicy(stop_ids=()))
+        with grouped_attention_on(model, kv):
+            for i, ids in enumerate(prompts[: args.slots // 4]):
+                stream.start(i, ids, 6)
+            profiled(f"packed prefill of {args.slots // 4} prompts (+ one decode step)", 1)
+            profiled("4 decode steps", 4)
 
 
 if __name__ == "__main__":
