@@ -261,9 +261,9 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Te
     over supervised slots (0, still attached to the graph, when nothing is supervised). `ce` is the
     per-row cross-entropy (= F.cross_entropy in fp32): chunked torch ops, or the fused kernel."""
     V = logits.shape[-1]
-    ce = ce(logits.reshape(-1, V), labels.reshape(-1)).view(labels.shape)
-    w = weights.to(ce.device) * label_mask.float()  # [..., Bk]
-    return (w * ce).sum() / w.sum().clamp(min=1e-12)
+    rows = ce(logits.reshape(-1, V), labels.reshape(-1)).view(labels.shape)  # [..., Bk]
+    w = weights.to(rows.device) * label_mask.float()  # [..., Bk]
+    return (w * rows).sum() / w.sum().clamp(min=1e-12)
 
 
 def soft_ce(
