@@ -72,12 +72,11 @@ def row_cross_entropy(kernel: str, device: torch.device):
     try:
         from dominospec.kernels import cross_entropy as fused
     except ImportError as e:
-        if kernel == "auto":
-            return chunked_cross_entropy
-        raise UserError(f"train.ce_kernel: triton needs the triton package ({e}); set train.ce_kernel: torch") from e
-    if not fused.available(device):
-        if kernel == "auto":
-            return chunked_cross_entropy
-        raise UserError(f"train.ce_kernel: triton cannot run on {device} (needs CUDA, or TRITON_INTERPRET=1); "
-                        "set train.ce_kernel: torch or auto")
-    return fused.cross_entropy
+        fused, missing = None, f"triton needs the triton package ({e})"
+    else:
+        missing = None if fused.available(device) else f"triton cannot run on {device} (needs CUDA, or TRITON_INTERPRET=1)"
+    if missing is None:
+        return fused.cross_entropy
+    if kernel == "auto":
+        return chunked_cross_entropy
+    raise UserError(f"train.ce_kernel: {missing}; set train.ce_kernel: torch or auto")

@@ -35,14 +35,13 @@ class PreparedSequences(Dataset):
         if limit is not None:
             data = data.select(range(min(limit, len(data))))
         self.data = data.with_format("torch", columns=["input_ids", "loss_mask"])
-        self.raw = data
 
     def __len__(self) -> int:
         return len(self.data)
 
     def lengths(self) -> list[int]:
         """Tokens of each sequence [n]."""
-        return [len(ids) for ids in self.raw["input_ids"]]
+        return [len(ids) for ids in self.data.with_format(None)["input_ids"]]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.data[i]
@@ -88,18 +87,17 @@ class StepBatchSampler(torch.utils.data.Sampler):
         per_step = batch_size * world_size
         self.lengths = lengths if lengths is not None and num_items >= per_step else None
         assert self.lengths is None or len(self.lengths) == num_items
-        self._epochs: dict[tuple[str, int], list] = {}  # (kind, epoch) -> its permutation or batches (the last one)
+        self._perm: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation): the last one drawn
+        self._batches: tuple[int, list[list[int]]] = (-1, [])  # (epoch, its grouped batches)
 
     def _permutation(self, epoch: int) -> list[int]:
-        key = ("perm", epoch)
-        if key not in self._epochs:
-            self._epochs = {key: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()}
-        return self._epochs[key]
+        if self._perm[0] != epoch:
+            self._perm = (epoch, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist())
+        return self._perm[1]
 
     def _grouped(self, epoch: int) -> list[list[int]]:
         """Epoch -> its batches of bs * world items of similar length, in a seeded order."""
-        key = ("batches", epoch)
-        if key not in self._epochs:
+        if self._batches[0] != epoch:
             perm, per_step = self._permutation(epoch), self.bs * self.world
             perm = perm[: len(perm) - len(perm) % per_step]
             batches = []
@@ -107,8 +105,8 @@ class StepBatchSampler(torch.utils.data.Sampler):
                 group = sorted(perm[g : g + per_step * GROUP_BATCHES], key=lambda i: (self.lengths[i], i))
                 batches += [group[k : k + per_step] for k in range(0, len(group), per_step)]
             order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + epoch + (1 << 31)))
-            self._epochs = {key: [batches[i] for i in order.tolist()]}
-        return self._epochs[key]
+            self._batches = (epoch, [batches[i] for i in order.tolist()])
+        return self._batches[1]
 
     def _batch(self, step: int) -> list[int]:
         """Step -> the items of this rank's share of its batch."""
