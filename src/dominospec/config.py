@@ -77,6 +77,8 @@ class RegenerateParams:
     max_conversations: Optional[int]
     original_conversations: int  # train conversations after the rewritten ones, kept with their original replies (0 = none)
     max_val_conversations: Optional[int]  # val conversations rewritten too (0: val copied unchanged)
+    code_prompts: int  # Python functions the target is asked to complete, its answers added to train (0 = none)
+    code_prompts_root: str  # where those functions come from: "stdlib" | a folder of .py files
     max_turns: Optional[int]  # assistant turns kept and rewritten per conversation (null: all)
     max_new_tokens: int
     temperature: float

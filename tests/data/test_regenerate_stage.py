@@ -140,7 +140,8 @@ def test_batches_change_nothing_but_speed(prepared_params):
     [({"batch_size": 0}, "batch_size"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"loop_repeats": 1}, "loop_repeats"),
      ({"loop_ngram": -2}, "loop_ngram"), ({"top_p": 0.0}, "top_p"), ({"max_conversations": 0}, "max_conversations"),
      ({"max_turns": 0}, "max_turns"), ({"max_val_conversations": -1}, "max_val_conversations"),
-     ({"original_conversations": -1}, "original_conversations")],
+     ({"original_conversations": -1}, "original_conversations"), ({"code_prompts": -1}, "code_prompts"),
+     ({"code_prompts": 1, "code_prompts_root": "/no/such/folder"}, "code_prompts_root")],
 )  # fmt: skip
 def test_bad_params_are_named_in_the_error(prepared_params, tmp_path, bad, key):
     params, _ = prepared_params
@@ -253,3 +254,32 @@ def test_missing_prepared_data_is_a_user_error(tmp_path):
     params = load_params(write_params(tmp_path / "p.yaml", tmp_path))
     with pytest.raises(UserError, match="run the prepare stage first"):
         regenerate(params)
+
+
+def test_code_prompts_are_answered_by_the_target_and_follow_the_rewritten_ones(prepared_params, reference, tmp_path):
+    """code_prompts: 2 -> train = the reference's 6 rewritten conversations, then the target's own
+    answers to 2 function stubs (ids "code:..."), masked on the answer; counted in meta and metrics."""
+    params, root = prepared_params
+    _, _, rewritten, _, _ = reference
+    tree = tmp_path / "lib"
+    tree.mkdir()
+    for name in ("add", "mul", "neg"):
+        (tree / f"{name}.py").write_text(f'def {name}(a, b=0):\n    """{name} of two numbers."""\n    return a\n')
+    out = root / "code"
+    run = load_params(write_params(root / "code.yaml", out, target={"model": params.target.model, "gguf_file": None},
+                                   regenerate={**REGENERATE, "code_prompts": 2, "code_prompts_root": str(tree)},
+                                   paths={"prepared": params.paths.prepared}))  # fmt: skip
+    regenerate(run)
+    train, meta = read_dataset(run.paths.regenerated)
+    rows = _rows(train["train"])
+    assert rows[:6] == _rows(rewritten["train"])
+    code = rows[6:]
+    assert len(code) == 2 and all(r["id"].startswith("code:") and r["id"].endswith(("add", "mul", "neg")) for r in code)
+    for row in code:
+        user, reply = row["messages"]
+        assert user["role"] == "user" and "Complete the following Python function" in user["content"]
+        assert reply["role"] == "assistant" and reply["content"] and sum(row["loss_mask"]) > 0
+    metrics = json.loads((out / "metrics" / "regenerate.json").read_text())
+    assert meta["code_train"] == metrics["code"]["conversations"] == 2
+    assert metrics["code"]["functions_found"] == 3 and metrics["code"]["tokens_generated"] > 0
+    assert not work_dir(run.paths.regenerated).exists()

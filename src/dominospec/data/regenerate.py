@@ -13,6 +13,10 @@ A draft trained on the target's own replies accepts more than one trained on som
               by the next `original_conversations` train conversations with their original replies,
               cut to the same `max_turns` (with train.labels: target the draft learns the target's own
               next token on every position of them: a cache-stage forward, and no decoding).
+              With `code_prompts` n > 0, n documented Python functions from `code_prompts_root`
+              (data.code_prompts: the standard library by default), each asked to be completed as
+              the humaneval suite asks, are answered by the target too (journal split "code"); those
+              conversations follow the rewritten ones, before the originals.
               `max_turns` keeps the first n assistant turns of each conversation (null: all).
               Renderings stop at the max_length prepare used (meta.json).
 
@@ -41,6 +45,7 @@ from tqdm import tqdm
 from dominospec.errors import UserError
 from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
+from dominospec.data.code_prompts import CodePrompts, code_prompts, resolve_root
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.data.journal import Journal
 from dominospec.data.replies import first_prompt_length, rewrite_conversations
@@ -86,17 +91,26 @@ def regenerate(params: Params) -> None:
         out[split], report[split] = _regenerate_split(target, params, meta, splits[split], split, limit, max_length,
                                                       mask_token_id)
     rewritten = len(out["train"])
+    code = code_prompts(cfg.code_prompts_root, cfg.code_prompts) if cfg.code_prompts else None
+    if code is not None:  # the target's answers to code requests, after the rewritten conversations
+        answered, report["code"] = _regenerate_split(target, params, meta, code_dataset(code), "code", None,
+                                                     max_length, mask_token_id)
+        out["train"] = concatenate_datasets([out["train"].cast(FEATURES), answered.cast(FEATURES)])
     out["train"], originals, original_skipped = with_originals(out["train"], splits["train"], cfg, target.tokenizer,
                                                                max_length, mask_token_id)
     out = DatasetDict(out)
     write_dataset(params.paths.regenerated, out, {**meta, "regenerated": rewritten, "original_train": originals,
+                                                  "code_train": len(answered) if code is not None else 0,
                                                   "regenerated_val": len(out["val"]) if "val" in report else 0})
     shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
     train_report = report["train"]
     entries = train_report.pop("entries")
-    val_report = report.get("val")
-    if val_report is not None:
-        val_report.pop("entries")
+    val_report, code_report = report.get("val"), report.get("code")
+    for extra in (val_report, code_report):
+        if extra is not None:
+            extra.pop("entries")
+    if code_report is not None:
+        code_report.update(root=str(code.root), functions_found=code.functions, files_skipped=dict(code.skipped))
     write_json(
         metrics_path,
         {
@@ -112,6 +126,7 @@ def regenerate(params: Params) -> None:
             "tokens_per_second": train_report["tokens_per_second"],
             "skipped": train_report["skipped"],
             "val": val_report,  # the val split rewritten too (regenerate.max_val_conversations), or null
+            "code": code_report,  # the target's answers to regenerate.code_prompts function stubs, or null
             "max_turns": cfg.max_turns,
             "splits": {s: len(d) for s, d in out.items()},
             "temperature": cfg.temperature,
@@ -150,6 +165,12 @@ def _regenerate_split(
         "tokens_per_second": round(new_tokens / seconds, 2) if seconds else None,
         "skipped": dict(sorted(skipped.items())),
     }
+
+
+def code_dataset(code: CodePrompts) -> Dataset:
+    """Code prompts -> conversations [request, empty reply] for the target to answer (ids "code:...")."""
+    return Dataset.from_list([{"id": p.id, "messages": [{"role": "user", "content": p.content},
+                                                        {"role": "assistant", "content": ""}]} for p in code.prompts])
 
 
 def first_turns(messages: list[dict[str, str]], max_turns: Any) -> list[dict[str, str]]:
@@ -302,6 +323,10 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.max_turns must be at least 1 or null (all turns), got {cfg.max_turns}")
     if cfg.max_val_conversations is not None and cfg.max_val_conversations < 0:
         raise UserError(f"regenerate.max_val_conversations must be >= 0 (0 = copy val unchanged), got {cfg.max_val_conversations}")
+    if cfg.code_prompts < 0:
+        raise UserError(f"regenerate.code_prompts must be >= 0 (0 = none), got {cfg.code_prompts}")
+    if cfg.code_prompts:
+        resolve_root(cfg.code_prompts_root)  # a missing folder is named before the target loads
     if cfg.original_conversations < 0:
         raise UserError(f"regenerate.original_conversations must be >= 0 (0 = only rewritten ones), got {cfg.original_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:

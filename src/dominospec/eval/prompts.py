@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from dominospec.data.code_prompts import COMPLETE_FUNCTION
 from dominospec.errors import UserError
 
 Messages = list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
-HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+HUMANEVAL_REQUEST = COMPLETE_FUNCTION  # the regenerate stage's code prompts ask the same way
 
 
 @dataclass(frozen=True)
