@@ -45,7 +45,7 @@ from tqdm import tqdm
 from dominospec.errors import UserError
 from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
-from dominospec.data.code_prompts import CodePrompts, code_prompts, resolve_root
+from dominospec.data.code_prompts import CodePrompts, code_prompts
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.data.journal import Journal
 from dominospec.data.replies import first_prompt_length, rewrite_conversations
@@ -69,6 +69,8 @@ def regenerate(params: Params) -> None:
         write_json(metrics_path, {**summary, "seconds": round(time.perf_counter() - started, 2)})
         return
     _check(cfg)
+    # read before the target loads: a folder without functions is named before any decoding
+    code = code_prompts(cfg.code_prompts_root, cfg.code_prompts) if cfg.code_prompts else None
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     target = load_target(params.target)
@@ -90,17 +92,16 @@ def regenerate(params: Params) -> None:
             continue  # val copied unchanged
         out[split], report[split] = _regenerate_split(target, params, meta, splits[split], split, limit, max_length,
                                                       mask_token_id)
-    rewritten = len(out["train"])
-    code = code_prompts(cfg.code_prompts_root, cfg.code_prompts) if cfg.code_prompts else None
+    rewritten, code_train = len(out["train"]), 0
     if code is not None:  # the target's answers to code requests, after the rewritten conversations
         answered, report["code"] = _regenerate_split(target, params, meta, code_dataset(code), "code", None,
                                                      max_length, mask_token_id)
-        out["train"] = concatenate_datasets([out["train"].cast(FEATURES), answered.cast(FEATURES)])
+        out["train"], code_train = concatenate_datasets([out["train"].cast(FEATURES), answered.cast(FEATURES)]), len(answered)
     out["train"], originals, original_skipped = with_originals(out["train"], splits["train"], cfg, target.tokenizer,
                                                                max_length, mask_token_id)
     out = DatasetDict(out)
     write_dataset(params.paths.regenerated, out, {**meta, "regenerated": rewritten, "original_train": originals,
-                                                  "code_train": len(answered) if code is not None else 0,
+                                                  "code_train": code_train,
                                                   "regenerated_val": len(out["val"]) if "val" in report else 0})
     shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
     train_report = report["train"]
@@ -325,8 +326,6 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.max_val_conversations must be >= 0 (0 = copy val unchanged), got {cfg.max_val_conversations}")
     if cfg.code_prompts < 0:
         raise UserError(f"regenerate.code_prompts must be >= 0 (0 = none), got {cfg.code_prompts}")
-    if cfg.code_prompts:
-        resolve_root(cfg.code_prompts_root)  # a missing folder is named before the target loads
     if cfg.original_conversations < 0:
         raise UserError(f"regenerate.original_conversations must be >= 0 (0 = only rewritten ones), got {cfg.original_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:

@@ -29,7 +29,6 @@ from dominospec.errors import UserError
 
 Messages = list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
-HUMANEVAL_REQUEST = COMPLETE_FUNCTION  # the regenerate stage's code prompts ask the same way
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def humaneval_conversations() -> Iterator[Messages]:
         for line in f:
             if line.strip():
                 task = json.loads(line)
-                yield [{"role": "user", "content": HUMANEVAL_REQUEST.format(prompt=task["prompt"])}]
+                yield [{"role": "user", "content": COMPLETE_FUNCTION.format(prompt=task["prompt"])}]  # as the code prompts ask
 
 
 def jsonl_conversations(path: Path) -> Iterator[Messages]:
