@@ -4,6 +4,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dominospec.cli import STAGES
@@ -138,3 +139,22 @@ def test_test_modules_have_unique_basenames():
     files of one name in different folders stop the whole collection."""
     names = [p.name for p in (REPO / "tests").rglob("*.py") if p.name != "conftest.py"]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_the_repository_root_on_sys_path_does_not_hide_pypi_kernels():
+    """`python -m pytest` (or `-c`) in the checkout puts its root on sys.path, where kernels/ would hide
+    the PyPI package `kernels` that transformers >= 5.25 imports with its modeling code."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no PyPI package `kernels` installed: nothing to hide")
+    probe = ("import transformers.modeling_utils, kernels, dominospec.kernels as ours; "
+             "print(kernels.__file__); print(ours.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    theirs, ours = out.stdout.split()
+    assert "site-packages" in theirs and Path(ours) == REPO / "kernels" / "__init__.py"
