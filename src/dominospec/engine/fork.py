@@ -34,12 +34,13 @@ branch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from dominospec.engine.sampling import accept_greedy
+from dominospec.engine.sampling import first_mismatch
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,14 @@ def chain_tree(T: int, device: torch.device) -> Tree:
 
 
 def branch_tree(lengths: Sequence[int], device: torch.device) -> Tree:
-    """Row 0, then one branch per length, in order (module docstring) -> their Tree."""
+    """Row 0, then one branch per length, in order (module docstring) -> their Tree. Cached by shape:
+    a round's tree costs no host -> device copy, which would wait for the GPU's queued work (the
+    draft's rollout) before the verify could be launched. Read-only: callers copy from it."""
+    return _branch_tree(tuple(lengths), torch.device(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _branch_tree(lengths: tuple[int, ...], device: torch.device) -> Tree:
     T = 1 + sum(lengths)
     branch = torch.zeros(T, dtype=torch.long)  # 0: row 0 (shared), b + 1: branch b
     depth = torch.zeros(T, dtype=torch.long)
@@ -85,10 +93,12 @@ class Branched:
 
 def accept_branches(branches: Sequence[torch.Tensor], logits: torch.Tensor) -> Branched:
     """Proposals [K_b] per branch, verify logits [1 + sum K_b, V] in branch_tree's row order -> Branched."""
+    ids = torch.cat([logits.argmax(-1), *[p.to(torch.long) for p in branches]]).tolist()  # one device -> host copy
+    choice, proposals = ids[:logits.shape[0]], ids[logits.shape[0]:]
     per_branch, best, first = [], None, 1
     for b, proposal in enumerate(branches):
         rows = [0] + list(range(first, first + proposal.shape[0]))
-        n, nxt = accept_greedy(proposal, logits[rows])
+        n, nxt = first_mismatch(proposals[first - 1:first - 1 + proposal.shape[0]], [choice[r] for r in rows])
         per_branch.append(n)
         if best is None or n > best[1]:
             best = (b, n, nxt, rows[:n + 1])

@@ -68,10 +68,15 @@ class Sampling:
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Drafts [K], verify logits [K+1, V] -> (accepted count n in 0..K, next token id)."""
-    choice = target_logits.argmax(-1)  # [K+1]
     K = draft_tokens.shape[0]
-    n = int((draft_tokens == choice[:K]).long().cumprod(0).sum()) if K else 0
-    return n, int(choice[n])
+    both = torch.cat([draft_tokens.to(torch.long), target_logits.argmax(-1)]).tolist()  # one device -> host copy
+    return first_mismatch(both[:K], both[K:])
+
+
+def first_mismatch(drafts: list[int], choice: list[int]) -> tuple[int, int]:
+    """Drafts [K], the target's greedy tokens [K+1] -> (n: the drafts before the first that differs, choice[n])."""
+    n = next((i for i, (d, c) in enumerate(zip(drafts, choice)) if d != c), len(drafts))
+    return n, choice[n]
 
 
 def accept_sampled(

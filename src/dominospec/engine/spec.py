@@ -56,6 +56,7 @@ from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.branches import draft_branches
+from dominospec.engine.clock import PhaseClock
 from dominospec.engine.fork import accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.loading import check_draft_matches
@@ -123,6 +124,7 @@ class SpecEngine:
         # static runners by capacity bucket: {rows: (StaticTargetKV, StaticDraftBlock or None)}, built on first use
         self._statics: dict[int, tuple] = {}
         self._static: Optional[tuple] = None  # the pair the current (or last) generation runs on
+        self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
         self.lookup_k_max = 0  # the most tokens a prompt lookup proposes (0: no lookups)
         self.tree_width = 1  # the most draft branches a greedy round verifies
         if options.tree_width < 1:
@@ -258,7 +260,8 @@ class SpecEngine:
         drafting = self.draft is not None
 
         t_begin = self._now()
-        state = _State(*self._runners(T + budget + max(self.block_size, self.max_verify) + 1))
+        state = _State(*self._runners(T + budget + max(self.block_size, self.max_verify) + 1),
+                       PhaseClock(self.device, self._events))
         stats.static_cache = isinstance(state.kv, StaticTargetKV)
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
@@ -301,6 +304,9 @@ class SpecEngine:
             state.drafter.crop(T + len(tokens) - 1)
         stats.new_tokens = len(tokens)
         stats.total_s = self._now() - t_begin
+        phases = state.clock.seconds()
+        stats.draft_s, stats.rollout_s = phases.get("draft", 0.0), phases.get("rollout", 0.0)
+        stats.verify_s, stats.draft_round_s = phases.get("verify", 0.0), phases.get("draft_round", 0.0)
         stats.target_kv_length = state.kv.length
         stats.draft_context_length = state.drafter.length if drafting else 0
         text = self._decode(tokens)
@@ -321,12 +327,14 @@ class SpecEngine:
         """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         x_start = torch.tensor([tokens[-1]], device=self.device)
-        t0 = self._now()
+        clock = state.clock
+        t0 = clock.mark()
         W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
         chain, L = None, len(lookup)
+        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)  # now: the GPU is idle
         if K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
-        t1 = self._now()
+        t1 = clock.mark(queued=K > 0)
         if K > 0 and W > 1:
             branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.mode == "domino",
                                       self.options.candidate_pool, W)  # [W, K]
@@ -336,9 +344,8 @@ class SpecEngine:
                                 kernels=self.head_kernels, graphs=self.head_graphs)
             K = self._cut(chain)
             branches = chain.tokens[:K][None]
-        t2 = self._now()
+        t2 = clock.mark(queued=K > 0)
 
-        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)
         if K and (W > 1 or L):  # a tree: the draft's branches, and the lookup (greedy only, see _plan)
             parts = list(branches) + ([lookup_tokens] if L else [])
             logits, features = state.kv.forward(torch.cat([x_start, *parts])[None], keep=1 + W * K + L,
@@ -373,7 +380,7 @@ class SpecEngine:
         state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
         if features is not None:
             state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
-        t3 = self._now()
+        t3 = clock.mark()
 
         # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
         if self.mode == "ngram":
@@ -382,10 +389,11 @@ class SpecEngine:
             stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
         if self.auto:
             self._learn(K, n_chain, L, n_lookup, W if K else 0, winner_rank)
-        stats.draft_s += t1 - t0
-        stats.rollout_s += t2 - t1
-        stats.verify_s += t3 - t2
-        stats.draft_round_s += (t3 - t0) if K + L > 0 else 0.0
+        clock.add("draft", t0, t1)
+        clock.add("rollout", t1, t2)
+        clock.add("verify", t2, t3)
+        if K + L > 0:
+            clock.add("draft_round", t0, t3)
         return m, reason
 
     def _plan(self, state, room: int, greedy: bool) -> tuple[int, int, list[int]]:
@@ -551,7 +559,8 @@ def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
 class _State:
     """Per-generation runners: target KV, draft block (its context), features not yet appended to it, n-gram index."""
 
-    def __init__(self, kv, drafter):
+    def __init__(self, kv, drafter, clock: PhaseClock):
         self.kv, self.drafter = kv, drafter  # engine.target_kv / engine.draft_block runners
         self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
         self.index: Optional[NgramIndex] = None
+        self.clock = clock  # the rounds' phase times (engine.clock)
