@@ -10,13 +10,20 @@ steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start,
     triton + graph           the same captured in one CUDA graph       target <= 0.45 ms
     triton, GEMV GRU + graph no [V, 3G] table: W_ih streamed per step (the ≈113 MB/step floor)
     pool torch / pool triton the top-2048 candidate pool; pool triton + graph: target <= 0.10 ms
+                             (torch selects as engine.rollout.candidate_pool: max over rows + unsorted
+                             torch.topk; Triton with the fused kernels.pool_select: ids ascending)
+    pool selection alone     torch max + topk (sorted, unsorted) against the fused selection, in a graph
 
 Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
 - every graph'd path's tokens equal its own eager run's, exactly (same kernels);
+- the fused pool selection equals its reference exactly (kernels.pool_select.pool_select_reference),
+  in fp32 and bf16, and in a graph; the set differs from torch.topk's only by ties at the boundary;
 - Triton vs torch in fp32 (weights upcast, untimed): tokens equal, or the first difference at a
   near-tie (top-2 margin <= 1e-4 of the top logit);
 - Triton vs torch in bf16: torch rounds every op to bf16, the kernels keep fp32 inside, so the
   chains may part; the first difference must be a near-tie (margin <= 2 bf16 ulps of the top logit).
+  The pool path is compared with torch over the same pool (the fused selection's): in bf16 the
+  2,048th value is usually tied, and torch.topk breaks the tie its own way.
 The exit status is 1 if any check fails. Prints a markdown table last; --out writes JSON.
 
     python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v N]
@@ -58,6 +65,7 @@ def import_kernels():
         sys.modules["dominospec.kernels"] = module
         spec.loader.exec_module(module)
     import dominospec.kernels.head_rollout as head_rollout
+    import dominospec.kernels.pool_select  # noqa: F401  (rollouts() and run() import it by name)
 
     return head_rollout
 
@@ -77,8 +85,9 @@ def random_head(s: dict, dtype: torch.dtype, device: torch.device, seed: int = 0
 
 
 def pool_ids(base: torch.Tensor, first: int, size: int) -> torch.Tensor:
-    """SGLang's pool (engine.rollout.candidate_pool): top-M of the max over the corrected rows' base logits."""
-    return torch.topk(base[first:].max(dim=0).values, size).indices
+    """SGLang's pool as the torch path selects it (engine.rollout.candidate_pool): top-M of the max over the
+    corrected rows' base logits, in no order."""
+    return torch.topk(base[first:].max(dim=0).values, size, sorted=False).indices
 
 
 def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int, plan: dict | None = None) -> dict:
@@ -87,6 +96,9 @@ def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int, plan: dict |
     args = (w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], P)
     with_table = hr.head_weights(*args, table_budget_bytes=table_budget)
     no_table = hr.head_weights(*args, table_budget_bytes=0)
+    from dominospec.kernels.pool_select import pool_select, pool_workspace
+
+    pool_ws = pool_workspace(s["vocab"], s["pool"], w["base"].dtype, w["base"].device)  # static buffers
 
     def torch_full():
         return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"])
@@ -96,13 +108,36 @@ def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int, plan: dict |
 
     def triton(weights, pool):
         def run():
-            ids = pool_ids(w["base"], P, s["pool"]) if pool else None
+            ids = pool_select(w["base"], P, s["pool"], pool_ws) if pool else None  # fused, ids ascending
             return hr.head_rollout(weights, w["z"], w["base"], w["x_start"], ids, block_v=block_v,
                                    **(plan or {})).tokens, None
         return run
 
     return {"torch": torch_full, "pool torch": torch_pool, "triton": triton(with_table, False),
             "triton, GEMV GRU": triton(no_table, False), "pool triton": triton(with_table, True)}
+
+
+def torch_chain(hr, w: dict, s: dict, ids: torch.Tensor):
+    """The eager torch rollout over given pool ids -> (tokens [K], scored logits): the Triton pool path's reference."""
+    return hr.head_rollout_reference(w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], s["prefix"], w["z"],
+                                     w["base"], w["x_start"], ids)
+
+
+def selection_checks(w: dict, s: dict, label: str) -> tuple[torch.Tensor, list[dict]]:
+    """The fused pool selection on w's base logits -> (its ids, checks): equal to its reference exactly, and
+    the same set as torch.topk's unless the M-th value is tied (then topk breaks the tie its own way)."""
+    from dominospec.kernels.pool_select import pool_select, pool_select_reference
+
+    base, P, M = w["base"], s["prefix"], s["pool"]
+    ids = pool_select(base, P, M).clone()
+    exact = torch.equal(ids, pool_select_reference(base, P, M))
+    values = torch.sort(base[P:].max(dim=0).values.float(), descending=True).values
+    tied = bool(values[M - 1] == values[M])
+    same_set = set(ids.tolist()) == set(pool_ids(base, P, M).tolist())
+    return ids, [dict(check=f"{label} fused pool selection vs its reference", equal=exact, first_divergence=None,
+                      margin=None, ok=exact),
+                 dict(check=f"{label} fused pool set vs torch.topk's (M-th value tied: {tied})", equal=same_set,
+                      first_divergence=None, margin=None, ok=same_set or tied)]
 
 
 def capture(fn):
@@ -169,25 +204,28 @@ def run(args) -> dict:
     budget = int(args.table_budget_gb * 2 ** 30)
     rows, checks = [], []
 
-    # fp32 correctness, untimed: Triton (eager, and graph'd on the GPU) vs eager torch
+    # fp32 correctness, untimed: Triton (eager, and graph'd on the GPU) vs eager torch (the pool: the same ids)
     w32 = random_head(s, torch.float32, device)
     paths = rollouts(hr, w32, s, args.block_v, budget)
-    ref_full, ref_pool = paths["torch"](), paths["pool torch"]()
-    pool32 = pool_ids(w32["base"], s["prefix"], s["pool"])
-    for name, ref, pool in (("triton", ref_full, None), ("pool triton", ref_pool, pool32)):
+    ids32, pool_checks = selection_checks(w32, s, "fp32")
+    checks += pool_checks
+    ref_full, ref_pool = paths["torch"](), torch_chain(hr, w32, s, ids32)
+    for name, ref, pool in (("triton", ref_full, None), ("pool triton", ref_pool, ids32)):
         if cuda:  # a captured graph has not run yet: replay it, then read its static outputs
             replay, out = capture(paths[name])
             replay()
             torch.cuda.synchronize()
         tokens = (out if cuda else paths[name]())[0]
-        checks.append(dict(check=f"fp32 {name}{' + graph' if cuda else ''} vs eager torch",
+        same_pool = " (same pool)" if pool is not None else ""
+        checks.append(dict(check=f"fp32 {name}{' + graph' if cuda else ''} vs eager torch{same_pool}",
                            **compare(ref[0], ref[1], pool, tokens, 1e-4)))
     del w32, paths
 
     # bf16 timing: each path eager and (on the GPU) graph'd
     w = random_head(s, torch.bfloat16, device)
     paths = rollouts(hr, w, s, args.block_v, budget)
-    pool16 = pool_ids(w["base"], s["prefix"], s["pool"])
+    ids16, pool_checks = selection_checks(w, s, "bf16")
+    checks += pool_checks
     eager = {name: fn() for name, fn in paths.items()}
     for name, fn in paths.items():
         rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, args.reps, cuda)))
@@ -199,20 +237,36 @@ def run(args) -> dict:
         checks.append(dict(check=f"bf16 {name} + graph vs its eager run",
                            **compare(eager[name][0], None, None, out[0], 0.0)))
         rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
-    if cuda:  # the pool's selection alone (topk over the max of the corrected rows), inside every pool path
-        replay, _ = capture(lambda: (pool_ids(w["base"], s["prefix"], s["pool"]), None))
-        rows.append(dict(path="pool selection alone (max + topk) + graph", ms=median_ms(replay, args.reps, cuda)))
-        replay, _ = capture(lambda: (torch.topk(w["base"][s["prefix"]:].max(dim=0).values, s["pool"], sorted=False), None))
-        rows.append(dict(path="pool selection, topk unsorted + graph", ms=median_ms(replay, args.reps, cuda)))
-        replay, _ = capture(lambda: (w["base"][s["prefix"]:].max(dim=0).values, None))
-        rows.append(dict(path="pool selection, the max over rows alone + graph", ms=median_ms(replay, args.reps, cuda)))
+    # the pool's selection alone, as the pool paths run it: torch (max over rows, topk) and the fused kernels
+    from dominospec.kernels.pool_select import pool_select, pool_workspace
+
+    P, M = s["prefix"], s["pool"]
+    pool_ws = pool_workspace(s["vocab"], M, w["base"].dtype, device)
+    selections = {
+        "pool selection alone (max + topk)": lambda: (torch.topk(w["base"][P:].max(dim=0).values, M).indices, None),
+        "pool selection, topk unsorted": lambda: (pool_ids(w["base"], P, M), None),
+        "pool selection, the max over rows alone": lambda: (w["base"][P:].max(dim=0).values, None),
+        "pool selection, fused (kernels.pool_select)": lambda: (pool_select(w["base"], P, M, pool_ws), None),
+    }
+    for name, fn in selections.items():
+        if not cuda:  # the smoke run: eager, on the interpreter
+            rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, args.reps, cuda)))
+            continue
+        replay, out = capture(fn)
+        replay()
+        torch.cuda.synchronize()
+        if "fused" in name:
+            same = torch.equal(out[0], ids16)
+            checks.append(dict(check="bf16 fused pool selection + graph vs its eager run", equal=same,
+                               first_divergence=None, margin=None, ok=same))
+        rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
     sweep = plan_sweep(hr, w, s, budget, args) if args.sweep and cuda else []
     profile = kernel_profile(hr, w, s, budget) if args.profile and cuda else []
     bf16_ulps = 2 * 2 ** -7  # 2 ulps of bf16 (8 significant bits), relative to the top logit
     checks.append(dict(check="bf16 triton vs eager torch",
                        **compare(*eager["torch"], None, eager["triton"][0], bf16_ulps)))
-    checks.append(dict(check="bf16 pool triton vs pool torch",
-                       **compare(*eager["pool torch"], pool16, eager["pool triton"][0], bf16_ulps)))
+    checks.append(dict(check="bf16 pool triton vs eager torch (same pool)",
+                       **compare(*torch_chain(hr, w, s, ids16), ids16, eager["pool triton"][0], bf16_ulps)))
 
     V, H, G, r, P, K = s["vocab"], s["hidden"], s["gru"], s["rank"], s["prefix"], s["num_draft"]
     # bf16 bytes read per corrected step: W2, the base row, W_hh, W1 (GEMV: all of W_ih; table: one row, W1_s)

@@ -4,6 +4,7 @@
 - correction_argmax: SiLU(h) · W2ᵀ + base logits, split-vocabulary argmax (+ logsumexp); candidate pool.
 - correction_sample: the same scores as a full fp32 row + logsumexp pieces, for lossless sampling.
 - head_rollout: the whole greedy K-step rollout on device (CUDA-graph capturable).
+- pool_select: the candidate pool (top-M of the max over rows) as a radix select in four launches, ids ascending.
 
 Imports torch and triton only (tests/test_layout.py). On a machine without CUDA, set
 TRITON_INTERPRET=1 before triton is imported.

@@ -5,7 +5,9 @@ A round is draft forward -> head rollout -> verify. Timing each phase with a wal
 (a graph replay, a kernel) while the GPU runs the current one: on an H200 with SmolLM2 that stall
 cost 0.3-0.6 ms of a 5.6 ms round (benchmarks/round_profile_gpu.py). On CUDA a mark is an event
 recorded on the current stream; the gaps between marks are device time, read once, after the
-generation's last round has synchronised. On CPU a mark is `time.perf_counter()`.
+generation's last round has synchronised. On CPU a mark is `time.perf_counter()`, and so it is on
+CUDA for rounds that draft nothing (a plain step waits for its one forward anyway, and recording
+events there cost 0.1-0.6 ms a step on the H200's sandboxed host).
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ class PhaseClock:
     per name (on CUDA it synchronises once, then reads every span).
 
     CUDA events come from `pool` and go back to it once read: creating one is a driver call that
-    costs far more than recording one (in a sandboxed GPU host, about as much as a kernel), and a
-    round marks four. A pool may be shared by the clocks of one engine (list append/pop are atomic)."""
+    costs more than recording one, and a drafting round marks four. A pool may be shared by the clocks of one engine (list append/pop are atomic)."""
 
     def __init__(self, device: torch.device, pool: Optional[list] = None):
         self.cuda = device.type == "cuda"
@@ -33,13 +34,11 @@ class PhaseClock:
         self.spans: list[tuple[str, Mark, Mark]] = []
         self.totals: dict[str, float] = {}
 
-    def mark(self, queued: bool = True) -> Mark:
-        """A boundary. `queued=False`: no GPU work was queued since the last mark (a plain step's empty
-        draft phase), so on CUDA the last mark stands for this one; host time spent meanwhile
-        then shows as idle device time in the next span."""
-        if self.cuda and not queued and self.marks:
-            return self.marks[-1]
-        if self.cuda:
+    def mark(self, device: bool = True) -> Mark:
+        """A boundary: a CUDA event where the clock is on CUDA and `device`, else the host clock. A
+        span joins two marks of the same kind. Host marks suit a round that queues nothing the host
+        does not wait for (a plain step: its acceptance synchronises), and cost no event record."""
+        if self.cuda and device:
             try:
                 event = self.pool.pop()
             except IndexError:
@@ -50,7 +49,7 @@ class PhaseClock:
         return time.perf_counter()
 
     def add(self, name: str, start: Mark, end: Mark) -> None:
-        if self.cuda:
+        if not isinstance(start, float):
             self.spans.append((name, start, end))
         else:
             self.totals[name] = self.totals.get(name, 0.0) + (end - start)

@@ -3,7 +3,8 @@
 draft (in the draft path's dtype) + the target's embedding -> `HeadWeights` for
 `dominospec.kernels`: W1 split at H, W2, and the GRU's input gates either as a [V, 3G] table
 gathered by token id or, when the table exceeds `GRU_TABLE_BUDGET_BYTES`, as a GEMV per step.
-`RolloutGraphs` replays a greedy rollout (pool selection included) as one CUDA graph per K.
+`RolloutGraphs` replays a greedy rollout (pool selection included: the fused `pool_select`, ids
+ascending) as one CUDA graph per K.
 triton is imported here, lazily: an engine on the torch path never imports it.
 """
 
@@ -50,7 +51,10 @@ def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:
 class RolloutGraphs:
     """The greedy rollout on the kernels (pool selection included) over static inputs, one CUDA graph
     per (K, confidence wanted) (engine.graphs): a chain then costs one replay instead of 2K + 2 kernel
-    launches from Python. With `enabled=False` (CPU, cuda_graphs off) the same function runs eagerly.
+    launches from Python (+ 4 for a pool's selection). With `enabled=False` (CPU, cuda_graphs off) the
+    same function runs eagerly. The pool (0 < pool_size < V) is `kernels.pool_select` on one workspace
+    shared by every K's graph (replays run one after another on one stream); it needs bf16, fp16 or
+    fp32 logits.
 
     chain(z [K, H], u [K, V], x_start [1]) -> (tokens [K], confidence [K] or None), copies the caller keeps.
     """
@@ -63,17 +67,25 @@ class RolloutGraphs:
         self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
         self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
         self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.pool = None  # the pool selection's buffers (kernels.pool_select.PoolWorkspace), when there is a pool
+        if 0 < pool_size < vocab:
+            from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
+
+            if dtype not in KEY_BITS:
+                raise UserError(f"engine.candidate_pool with engine.head_kernel: triton selects the pool over "
+                                f"bfloat16, float16 or float32 base logits, not {dtype} (set engine.draft_dtype)")
+            self.pool = pool_workspace(vocab, pool_size, dtype, device)
         self.graphs = ShapeGraphs(self._build, enabled)
 
     def _build(self, key: tuple[int, bool]):
-        from dominospec.engine.rollout import candidate_pool
         from dominospec.kernels.head_rollout import head_rollout
+        from dominospec.kernels.pool_select import pool_select
 
         K, confidence = key
         P = self.weights.pure_draft_prefix_len
 
         def rollout():
-            cand = candidate_pool(self.base[:K], P, self.pool_size)
+            cand = pool_select(self.base[:K], P, self.pool_size, self.pool)  # [M] ascending, or None
             chain = head_rollout(self.weights, self.z[:K], self.base[:K], self.x_start, cand, confidence=confidence)
             return chain.tokens, chain.confidence
 

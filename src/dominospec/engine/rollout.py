@@ -19,8 +19,10 @@ compute it only when asked (`confidence=True`: a softmax per step).
 
 Kernel choice (params `engine.head_kernel`): `kernels=None` runs the torch ops below; prepared
 `HeadWeights` (engine.head_kernels) run dominospec.kernels instead: a greedy chain is the whole
-on-device rollout (`head_rollout`: no host sync, tokens equal to the torch path in fp32), a sampled
-chain scores each step with `correction_logits` and draws exactly as the torch path does.
+on-device rollout (`head_rollout`: no host sync, tokens equal to the torch path in fp32) over the
+pool of `pool_select` (the same set as `candidate_pool` unless the M-th value is tied, ids
+ascending), a sampled chain scores each step with `correction_logits` over `candidate_pool`'s pool
+in its order and draws exactly as the torch path does (the same generator, the same tokens).
 """
 
 from __future__ import annotations
@@ -68,12 +70,14 @@ def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start:
         tokens, belief = graphs.chain(z, base_logits, x_start, want)
         return DraftChain(tokens, None, belief)
     P = int(draft.config.pure_draft_prefix_len)
-    cand = candidate_pool(base_logits, P, pool_size)
-    if kernels is not None and sampling.greedy:  # the whole rollout on device
+    if kernels is not None and sampling.greedy:  # the whole rollout on device, the pool's selection fused
         from dominospec.kernels.head_rollout import head_rollout
+        from dominospec.kernels.pool_select import pool_select
 
-        chain = head_rollout(kernels, z, base_logits, x_start, cand, confidence=want)
+        chain = head_rollout(kernels, z, base_logits, x_start, pool_select(base_logits, P, pool_size),
+                             confidence=want)
         return DraftChain(chain.tokens, None, chain.confidence)
+    cand = candidate_pool(base_logits, P, pool_size)
     steps = (_torch_steps(draft, z, base_logits, x_start, embed_tokens, cand) if kernels is None
              else _kernel_steps(kernels, z, base_logits, x_start, cand, sampling))
     state = steps.start  # s_0 [1, G]

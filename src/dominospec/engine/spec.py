@@ -328,13 +328,16 @@ class SpecEngine:
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         x_start = torch.tensor([tokens[-1]], device=self.device)
         clock = state.clock
-        t0 = clock.mark()
+        t0 = clock.mark(device=False)
         W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
         chain, L = None, len(lookup)
+        on_device = K > 0  # drafting rounds queue work the host does not wait for: timed by CUDA events
+        if on_device:
+            t0 = clock.mark()  # (choosing K, on the host, is left out of their phases)
         lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)  # now: the GPU is idle
         if K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
-        t1 = clock.mark(queued=K > 0)
+        t1 = clock.mark(on_device)
         if K > 0 and W > 1:
             branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.mode == "domino",
                                       self.options.candidate_pool, W)  # [W, K]
@@ -344,7 +347,7 @@ class SpecEngine:
                                 kernels=self.head_kernels, graphs=self.head_graphs)
             K = self._cut(chain)
             branches = chain.tokens[:K][None]
-        t2 = clock.mark(queued=K > 0)
+        t2 = clock.mark(on_device)
 
         if K and (W > 1 or L):  # a tree: the draft's branches, and the lookup (greedy only, see _plan)
             parts = list(branches) + ([lookup_tokens] if L else [])
@@ -380,7 +383,7 @@ class SpecEngine:
         state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
         if features is not None:
             state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
-        t3 = clock.mark()
+        t3 = clock.mark(on_device)
 
         # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
         if self.mode == "ngram":
