@@ -226,6 +226,8 @@ def test_ddp_two_cpu_processes(tiny_cache, tmp_path):
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 4
     assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
+    # rank 1 starts once rank 0 has prepared the folder: it neither wipes it nor rewrites the run record
+    assert json.loads((tmp_path / "checkpoints" / "run.json").read_text())["mlflow_run_id"]
 
 
 def test_training_numerics_turn_off_cudnn_attention_and_restore_it():

@@ -256,15 +256,9 @@ class DraftLitModule(L.LightningModule):
             self.walk_head = self.walk_base
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.world_size > 1:
+            self._pool_ranks()
         head, base = self.val_head, self.val_base
-        if self.trainer.world_size > 1:  # pool the counts of all ranks
-            for acc in (head, base):
-                acc.right = self.all_gather(acc.right.to(self.device)).sum(0).cpu().reshape(-1)
-                acc.counted = self.all_gather(acc.counted.to(self.device)).sum(0).cpu().reshape(-1)
-            walks = [self.walk_head] + ([self.walk_base] if self.walk_base is not self.walk_head else [])
-            for walk in walks:  # pooled τ needs only the totals
-                counts = torch.tensor([walk.emitted, walk.rounds], dtype=torch.float64, device=self.device)
-                walk.emitted, walk.rounds = (int(x) for x in self.all_gather(counts).reshape(-1, 2).sum(0).tolist())
         self.last_summary = {
             "acceptance_length": head.acceptance_length(),
             "acceptance_length_base": base.acceptance_length(),
@@ -282,6 +276,24 @@ class DraftLitModule(L.LightningModule):
         for k, (a, b) in enumerate(zip(head.prefix_accuracy(), base.prefix_accuracy())):
             self.log(f"val/accuracy_pos{k + 1}", a, sync_dist=False)
             self.log(f"val/accuracy_base_pos{k + 1}", b, sync_dist=False)
+
+    def _pool_ranks(self) -> None:
+        """DDP: each rank validated its stride of the val split -> every rank holds the totals of all:
+        accuracy counts, walks (τ, its per-reply SE, acceptance by position) and the loss."""
+        import torch.distributed as dist
+
+        for acc in (self.val_head, self.val_base):
+            acc.right = self.all_gather(acc.right.to(self.device)).sum(0).cpu().reshape(-1)
+            acc.counted = self.all_gather(acc.counted.to(self.device)).sum(0).cpu().reshape(-1)
+        gathered: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, (self.walk_head, self.walk_base, self.val_loss_sum, self.val_batches))
+        head, base = WalkStats(), WalkStats()
+        for rank_head, rank_base, _, _ in gathered:
+            head.merge(rank_head)
+            base.merge(rank_base)
+        self.walk_head, self.walk_base = head, (head if self.walk_base is self.walk_head else base)
+        self.val_loss_sum = sum(g[2] for g in gathered)
+        self.val_batches = sum(g[3] for g in gathered)
 
     def final_validation(self) -> dict[str, Any]:
         """Summary of the last validation pass (acceptance lengths, accuracy by position, loss)."""

@@ -16,7 +16,7 @@ import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,14 +35,22 @@ def run_fingerprint(params: Params, data_fingerprint: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def prepare_checkpoint_dir(ckpt_dir: Path, fingerprint: str) -> tuple[Optional[Path], Optional[str]]:
-    """Keep checkpoints of the same run (-> (last.ckpt, mlflow run id)); wipe those of another."""
+def resumable_checkpoint(ckpt_dir: Path, fingerprint: str) -> tuple[Optional[Path], Optional[str]]:
+    """-> (last.ckpt, mlflow run id) when the folder holds a checkpoint of this run, else (None, None)."""
     record = ckpt_dir / "run.json"
     if record.is_file():
         info = json.loads(record.read_text())
         last = ckpt_dir / "last.ckpt"
         if info.get("fingerprint") == fingerprint and last.is_file():
             return last, info.get("mlflow_run_id")
+    return None, None
+
+
+def prepare_checkpoint_dir(ckpt_dir: Path, fingerprint: str) -> tuple[Optional[Path], Optional[str]]:
+    """Keep checkpoints of the same run (-> (last.ckpt, mlflow run id)); wipe those of another."""
+    last, run_id = resumable_checkpoint(ckpt_dir, fingerprint)
+    if last is not None:
+        return last, run_id
     if ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
     ckpt_dir.mkdir(parents=True)
@@ -55,10 +63,11 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
     tmp.replace(ckpt_dir / "run.json")
 
 
-def train(params: Params) -> None:
-    """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run)."""
+def train(params: Params, callbacks: Sequence[Any] = ()) -> None:
+    """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run). `callbacks`:
+    extra Lightning callbacks for the fit (benchmarks/ddp_scaling.py times the steps with one)."""
     with training_numerics():
-        _fit(params)
+        _fit(params, list(callbacks))
 
 
 # scaled_dot_product_attention's backends while training: all but cuDNN, which builds an execution
@@ -76,9 +85,10 @@ def training_numerics() -> Iterator[None]:
         yield
 
 
-def _fit(params: Params) -> None:
+def _fit(params: Params, extra_callbacks: list[Any]) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.utilities import rank_zero_only
 
     from dominospec.train.build import TrainingSetup, build_training
     from dominospec.tracking import flat_params, lightning_logger
@@ -88,9 +98,15 @@ def _fit(params: Params) -> None:
 
     ckpt_dir = Path(params.paths.checkpoints)
     fingerprint = run_fingerprint(params, setup.data_fingerprint)
-    resume_from, run_id = prepare_checkpoint_dir(ckpt_dir, fingerprint)
+    # DDP: Lightning's launcher starts ranks 1.. as copies of this process once rank 0 is inside
+    # `fit`, i.e. after rank 0 has prepared the folder and recorded its MLflow run: they only read it.
+    if rank_zero_only.rank == 0:
+        resume_from, run_id = prepare_checkpoint_dir(ckpt_dir, fingerprint)
+    else:
+        resume_from, run_id = resumable_checkpoint(ckpt_dir, fingerprint)
     logger = lightning_logger(params, "train", run_id=run_id)
-    write_run_record(ckpt_dir, fingerprint, logger.run_id)
+    if rank_zero_only.rank == 0:
+        write_run_record(ckpt_dir, fingerprint, logger.run_id)
     if resume_from is None:
         logger.log_hyperparams(flat_params(params))
 
@@ -118,7 +134,7 @@ def _fit(params: Params) -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=params.train.log_every_steps,
         logger=logger,
-        callbacks=[checkpoints, curves, LearningRateMonitor(logging_interval="step")],
+        callbacks=[checkpoints, curves, LearningRateMonitor(logging_interval="step"), *extra_callbacks],
         enable_progress_bar=True,
         default_root_dir=str(ckpt_dir),
     )
