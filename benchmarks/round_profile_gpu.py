@@ -26,11 +26,14 @@ import argparse
 import dataclasses
 import datetime
 import json
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from head_kernels_gpu import median_ms  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -58,31 +61,18 @@ def random_target(dtype: torch.dtype, device: torch.device):
     return Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
 
 
-def device_ms(fn, reps: int) -> float:
-    """Median device time of fn() in ms (CUDA events around each call)."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def replay_times(engine, K: int, reps: int) -> dict:
     """The graphs the last generation built -> device ms of one replay each (T rows, draft block, rollout)."""
     kv, drafter = engine._static
     out = {}
     for T, (graph, _) in sorted(kv.graphs.graphs.items()):
-        out[f"target T={T}"] = device_ms(graph.replay, reps)
+        out[f"target T={T}"] = median_ms(graph.replay, reps, cuda=True)
     if drafter is not None:
         for S, (graph, _) in sorted(drafter.graphs.graphs.items()):
-            out[f"draft S={S}"] = device_ms(graph.replay, reps)
+            out[f"draft S={S}"] = median_ms(graph.replay, reps, cuda=True)
     if engine.head_graphs is not None:
         for key, (graph, _) in sorted(engine.head_graphs.graphs.graphs.items()):
-            out[f"rollout K={key[0]}"] = device_ms(graph.replay, reps)
+            out[f"rollout K={key[0]}"] = median_ms(graph.replay, reps, cuda=True)
     return out
 
 
@@ -144,7 +134,6 @@ def trace(engine, prompt, new_tokens: int, top: int = 15) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from round_cost import random_draft
 
     from dominospec.config import load_params
