@@ -19,7 +19,7 @@ than a 7-row lookup, and auto-K's choices, and with them τ, follow the noise of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -35,10 +35,19 @@ REPEATS = 5
 
 
 @torch.inference_mode()
-def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = REPEATS) -> RoundCost:
-    """Engine (spec mode) + prompt ids -> RoundCost (ms, minimum over `repeats`)."""
+def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = REPEATS,
+                       shared: Optional[RoundCost] = None) -> RoundCost:
+    """Engine (spec mode) + prompt ids -> RoundCost (ms, minimum over `repeats`).
+
+    `shared`: the cost another engine measured on the same target and draft (evaluate's modes side
+    by side). Its verify costs (as many rows as this engine verifies) and draft forward are taken as
+    they are, and only this engine's own chain and branch steps are measured: modes compared on the
+    same prompts then choose their shapes from one measurement of the machine, not from two samples
+    of its noise. A shared cost with fewer verify rows than this engine needs is measured afresh."""
     ids = torch.tensor(prompt, device=engine.device)
     T, K, R = ids.numel(), engine.num_draft, engine.max_verify + 1  # R: the most rows a verify has
+    if shared is not None and len(shared.verify) < R:
+        shared = None
     kv, drafter = engine._runners(T + max(R, engine.block_size) + 1)
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
@@ -48,7 +57,7 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     rows = ids.repeat(R)[:R]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
-        for r in verify:
+        for r in verify if shared is None else ():
             t0 = engine._now()
             kv.forward(rows[:r][None], keep=r)
             verify[r].append(1000 * (engine._now() - t0))
@@ -67,6 +76,10 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
                 draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.mode == "domino",
                                engine.options.candidate_pool, engine.tree_width)
                 branch_ms.append(1000 * (engine._now() - t2) / K)
+    if shared is not None:
+        return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
+                         rollout_step=min(chain_ms) if chain_ms else 0.0,
+                         branch_step=min(branch_ms) if branch_ms else 0.0)
     return RoundCost(verify=nondecreasing([min(verify[r]) for r in verify]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0,

@@ -314,11 +314,13 @@ class SpecEngine:
             text = text[: cut_at_stop_string(text, stops)]
         return Generation(token_ids=tokens, text=text, finish_reason=reason, stats=stats)
 
-    def calibrate(self, prompt: list[int]) -> RoundCost:
-        """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses."""
+    def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
+        """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
+        `shared`: another engine's cost on the same target and draft, whose verify and draft
+        forward costs this engine takes (engine.cost.measure_round_cost)."""
         from dominospec.engine.cost import measure_round_cost
 
-        self.cost = measure_round_cost(self, prompt)
+        self.cost = measure_round_cost(self, prompt, shared=shared)
         return self.cost
 
     # ---- one round --------------------------------------------------------------------------

@@ -88,6 +88,7 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
     if not suites:
         raise UserError(f"evaluate: every suite is empty: {empty}")
 
+    calibrate_together(engines, spec_mode, suites[0].prompts[0])
     for engine in engines.values():  # first calls allocate and pick kernels: keep them out of the timings
         engine.generate(suites[0].prompts[0], min(8, cfg.max_new_tokens), sampling, seed=cfg.seed)
     report: dict[str, Any] = {
@@ -135,6 +136,20 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
 
 
 TAUS = (1.5, 2.0, 3.0)
+
+
+def calibrate_together(engines: dict[str, SpecEngine], spec_mode: str, prompt: Any) -> None:
+    """Auto-K engines measure their round cost on the first prompt: the spec mode's engine in full,
+    the others taking its verify and draft forward costs and measuring only their own rollout, so the
+    modes compared prompt by prompt choose their shapes from one measurement of the machine."""
+    lead = engines[spec_mode]
+    if not lead.auto:
+        return
+    ids = torch.as_tensor(prompt).reshape(-1).tolist()
+    lead.calibrate(ids)
+    for engine in engines.values():
+        if engine is not lead and engine.auto:
+            engine.calibrate(ids, shared=lead.cost)
 
 
 def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
