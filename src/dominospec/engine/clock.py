@@ -25,7 +25,8 @@ class PhaseClock:
     per name (on CUDA it synchronises once, then reads every span).
 
     CUDA events come from `pool` and go back to it once read: creating one is a driver call that
-    costs more than recording one, and a drafting round marks four. A pool may be shared by the clocks of one engine (list append/pop are atomic)."""
+    costs more than recording one, and a drafting round marks four. A pool may be shared by the
+    clocks of one engine (list append/pop are atomic)."""
 
     def __init__(self, device: torch.device, pool: Optional[list] = None):
         self.cuda = device.type == "cuda"

@@ -336,7 +336,7 @@ class SpecEngine:
         on_device = K > 0  # drafting rounds queue work the host does not wait for: timed by CUDA events
         if on_device:
             t0 = clock.mark()  # (choosing K, on the host, is left out of their phases)
-        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device)  # now: the GPU is idle
+        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device) if L else None  # now: the GPU is idle
         if K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
         t1 = clock.mark(on_device)
