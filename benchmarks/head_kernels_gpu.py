@@ -13,6 +13,12 @@ steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start,
                              (torch selects as engine.rollout.candidate_pool: max over rows + unsorted
                              torch.topk; Triton with the fused kernels.pool_select: ids ascending)
     pool selection alone     torch max + topk (sorted, unsorted) against the fused selection, in a graph
+    tree W=4 torch / pool triton   a draft tree's 4 branches over the pool (engine.branches): the torch
+                             ops of all 4 rows (kernels.head_branches.head_branches_reference) against
+                             kernels.head_branches, eager and in a graph (--tree-width; 0 = no tree rows)
+
+`--shapes smollm2` times the embedded default's draft instead (vocab 49,152, hidden 576, GRU 256,
+rank 64, block 8 -> K = 7): the head the end-to-end runs on SmolLM2-135M use.
 
 Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
 - every graph'd path's tokens equal its own eager run's, exactly (same kernels);
@@ -27,6 +33,7 @@ Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
 The exit status is 1 if any check fails. Prints a markdown table last; --out writes JSON.
 
     python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v N]
+        [--shapes qwen3-8b|smollm2] [--tree-width 4]
     python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
 
 Needs only torch and triton (the repo's kernels/ is imported from the checkout if dominospec is
@@ -48,6 +55,8 @@ from pathlib import Path
 import torch
 
 QWEN3_8B = dict(vocab=151936, hidden=4096, gru=1024, rank=256, num_draft=15, prefix=1, pool=2048)
+SMOLLM2 = dict(vocab=49152, hidden=576, gru=256, rank=64, num_draft=7, prefix=1, pool=2048)
+SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2": SMOLLM2}
 SMOKE = dict(vocab=1000, hidden=64, gru=32, rank=16, num_draft=5, prefix=1, pool=64)
 HBM_BYTES_PER_S = 4.8e12  # H200
 
@@ -200,7 +209,7 @@ def run(args) -> dict:
     hr = import_kernels()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    s = SMOKE if args.smoke else QWEN3_8B
+    s = SMOKE if args.smoke else SHAPES[args.shapes]
     budget = int(args.table_budget_gb * 2 ** 30)
     rows, checks = [], []
 
@@ -260,6 +269,10 @@ def run(args) -> dict:
             checks.append(dict(check="bf16 fused pool selection + graph vs its eager run", equal=same,
                                first_divergence=None, margin=None, ok=same))
         rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
+    if args.tree_width:
+        tree_rows, tree_checks = trees(hr, w, s, budget, args.tree_width, args.reps, cuda)
+        rows += tree_rows
+        checks += tree_checks
     sweep = plan_sweep(hr, w, s, budget, args) if args.sweep and cuda else []
     profile = kernel_profile(hr, w, s, budget) if args.profile and cuda else []
     bf16_ulps = 2 * 2 ** -7  # 2 ulps of bf16 (8 significant bits), relative to the top logit
@@ -285,6 +298,52 @@ def run(args) -> dict:
         rows=rows, checks=checks, ok=all(c["ok"] for c in checks), sweep=sweep,
         profile=profile,
     )
+
+
+def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
+    """A draft tree of `width` branches over the pool (engine.branches), timed eager and graph'd: the torch
+    ops of all rows at once against kernels.head_branches. Checks: the kernels' graph = their eager run
+    exactly; fp32 kernels = torch over the same pool exactly (bf16 is timed only: torch rounds each op)."""
+    from dominospec.kernels.head_branches import head_branches, head_branches_reference
+    from dominospec.kernels.pool_select import pool_select, pool_workspace
+
+    P, M = s["prefix"], s["pool"]
+    rows, checks = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        v = w if dtype == torch.bfloat16 else random_head(s, torch.float32, w["base"].device)
+        args = (v["embed"], v["w_ih"], v["w_hh"], v["w1"], v["w2"], P)
+        weights = hr.head_weights(*args, table_budget_bytes=budget)
+        ws = pool_workspace(s["vocab"], M, v["base"].dtype, v["base"].device)
+        first = torch.topk(v["base"][0].float(), width).indices
+
+        def fused():
+            ids = pool_select(v["base"], P, M, ws)
+            return head_branches(weights, v["z"], v["base"], v["x_start"], first, ids)
+
+        def reference():
+            ids = pool_ids(v["base"], P, M)
+            return head_branches_reference(*args, v["z"], v["base"], v["x_start"], first, ids)
+
+        eager = fused().clone()
+        if dtype == torch.float32:
+            same = torch.equal(eager, head_branches_reference(*args, v["z"], v["base"], v["x_start"], first,
+                                                              pool_select(v["base"], P, M).clone()))
+            checks.append(dict(check=f"fp32 tree W={width} pool triton vs eager torch (same pool)", equal=same,
+                               first_divergence=None, margin=None, ok=same))
+            continue
+        for name, fn in ((f"tree W={width} torch", reference), (f"tree W={width} pool triton", fused)):
+            rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, reps, cuda)))
+            if not cuda:
+                continue
+            replay, out = capture(fn)
+            replay()
+            torch.cuda.synchronize()
+            if "triton" in name:
+                same = torch.equal(out, eager)
+                checks.append(dict(check=f"bf16 {name} + graph vs its eager run", equal=same,
+                                   first_divergence=None, margin=None, ok=same))
+            rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, reps, cuda)))
+    return rows, checks
 
 
 SWEEP = {  # launch shapes tried by --sweep (kernels.head_rollout.rollout_plan's arguments)
@@ -376,6 +435,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (GPU)")
     parser.add_argument("--profile", action="store_true", help="also time each kernel of the plans in PROFILED (GPU)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="the head's shapes (not --smoke)")
+    parser.add_argument("--tree-width", type=int, default=4, help="branches of the tree rows; 0 = none")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported

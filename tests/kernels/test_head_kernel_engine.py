@@ -132,3 +132,39 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     assert engine.head_kernels is None
     assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine,
                           "torch").head_kernel == "auto"
+
+
+@cpu_engine
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_branches_equal_torch(setup, pool_size):
+    """A draft tree's W branches on the kernels (kernels.head_branches) = the torch ops' branches."""
+    from dominospec.engine.branches import draft_branches
+
+    target, draft, kernels = setup
+    differ = 0
+    with torch.inference_mode():
+        for z, base, x_start in blocks(target, 4):
+            args = (draft, z, base, x_start, target.embed_tokens, True, pool_size, 3)
+            ref, fast = draft_branches(*args), draft_branches(*args, kernels=kernels)
+            assert fast.tolist() == ref.tolist()
+            differ += len({tuple(row) for row in ref[:, 1:].tolist()}) > 1
+    assert differ, "the branches never parted after their first token: the head's per-branch state is untested"
+
+
+@cpu_engine
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_static_engine_runs_the_tree_through_its_graph_buffers(setup, pool_size):
+    """tree_width 3 on static caches: the branches run on RolloutGraphs' static inputs (one function
+    per (K, W); CUDA graphs on a GPU), with the same tokens and rounds as the torch head's tree."""
+    target, draft, _ = setup
+    options = dict(candidate_pool=pool_size, tree_width=3)
+    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(**options))
+    static = SpecEngine(target, draft, "domino",
+                        options=EngineOptions(head_kernel="triton", static_cache=True, **options))
+    for prompt in random_prompts(2, V, seed=5):
+        a, b = torch_engine.generate(prompt, 12), static.generate(prompt, 12)
+        assert b.token_ids == a.token_ids
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths
+    keys = set(static.head_graphs.graphs.functions)
+    assert any(key[0] == "tree" and key[2] == 3 for key in keys), keys
+    assert static.graph_failures() == {}

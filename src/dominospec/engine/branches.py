@@ -18,6 +18,12 @@ Input: z [K, H] and base logits u [K, V] of the block (engine.rollout), x_start 
   the block (engine.rollout.candidate_pool) when there is one.
 Branch 0 with W = 1 is `draft_chain`'s greedy chain (the same ops). Only verification must be exact:
 the drafts only decide what is proposed.
+
+Kernel choice (params `engine.head_kernel`), as for the chain (engine.rollout): prepared `HeadWeights`
+run the branches on device (`kernels.head_branches`: W rows of the fused kernels, four launches a
+step, the pool from `pool_select`), and on static caches `RolloutGraphs.branches` replays that
+rollout as one CUDA graph per (K, W): on a GPU the eager ops' launches made a branch step cost 8x
+a chain step, so auto-K seldom bought a tree there (docs/benchmarks.md, "Draft trees").
 """
 
 from __future__ import annotations
@@ -37,14 +43,24 @@ def first_tokens(u0: torch.Tensor, width: int) -> torch.Tensor:
     best = scores.argmax()
     if width == 1:
         return best[None]
-    rest = scores.clone()
-    rest[best] = float("-inf")
+    # scatter, not rest[best] = ...: an index_put by a 0-d tensor reads the host, which a CUDA graph's capture refuses
+    rest = scores.scatter(0, best.reshape(1), float("-inf"))
     return torch.cat([best[None], rest.topk(width - 1).indices])
 
 
 def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
-                   head: bool, pool_size: int, width: int) -> torch.Tensor:
-    """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long): branch w in row w (module docstring)."""
+                   head: bool, pool_size: int, width: int, kernels: Any = None, graphs: Any = None) -> torch.Tensor:
+    """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long): branch w in row w (module docstring).
+    `kernels`: None (torch ops) or the head prepared for the Triton kernels (engine.head_kernels);
+    `graphs`: with kernels, their rollouts on static buffers (engine.head_kernels.RolloutGraphs)."""
+    if head and graphs is not None:
+        return graphs.branches(z, base_logits, x_start, width)
+    if head and kernels is not None:
+        from dominospec.kernels.head_branches import head_branches
+        from dominospec.kernels.pool_select import pool_select
+
+        pool = pool_select(base_logits, kernels.pure_draft_prefix_len, pool_size)
+        return head_branches(kernels, z, base_logits, x_start, first_tokens(base_logits[0], width), pool)
     K, V = base_logits.shape
     tokens = torch.empty(width, K, dtype=torch.long, device=base_logits.device)
     tokens[:, 0] = first_tokens(base_logits[0], width)

@@ -74,7 +74,8 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             chain_ms.append(1000 * (t2 - t1) / K)
             if engine.tree_width > 1:
                 draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.mode == "domino",
-                               engine.options.candidate_pool, engine.tree_width)
+                               engine.options.candidate_pool, engine.tree_width, kernels=engine.head_kernels,
+                               graphs=engine.head_graphs)
                 branch_ms.append(1000 * (engine._now() - t2) / K)
     if shared is not None:
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,

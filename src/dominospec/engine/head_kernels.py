@@ -4,7 +4,8 @@ draft (in the draft path's dtype) + the target's embedding -> `HeadWeights` for
 `dominospec.kernels`: W1 split at H, W2, and the GRU's input gates either as a [V, 3G] table
 gathered by token id or, when the table exceeds `GRU_TABLE_BUDGET_BYTES`, as a GEMV per step.
 `RolloutGraphs` replays a greedy rollout (pool selection included: the fused `pool_select`, ids
-ascending) as one CUDA graph per K.
+ascending) as one CUDA graph per K, and a draft tree's W branches (`kernels.head_branches`) as one
+per (K, W).
 triton is imported here, lazily: an engine on the torch path never imports it.
 """
 
@@ -57,6 +58,8 @@ class RolloutGraphs:
     fp32 logits.
 
     chain(z [K, H], u [K, V], x_start [1]) -> (tokens [K], confidence [K] or None), copies the caller keeps.
+    branches(z, u, x_start, W) -> tokens [W, K] (engine.branches: the W best first tokens of u_0, each
+    drafted on), a copy too. Keys: (K, confidence wanted) for chains, ("tree", K, W) for branches.
     """
 
     def __init__(self, weights: Any, block_size: int, hidden: int, vocab: int, dtype: torch.dtype,
@@ -77,12 +80,23 @@ class RolloutGraphs:
             self.pool = pool_workspace(vocab, pool_size, dtype, device)
         self.graphs = ShapeGraphs(self._build, enabled)
 
-    def _build(self, key: tuple[int, bool]):
+    def _build(self, key: tuple):
+        from dominospec.engine.branches import first_tokens
+        from dominospec.kernels.head_branches import head_branches
         from dominospec.kernels.head_rollout import head_rollout
         from dominospec.kernels.pool_select import pool_select
 
-        K, confidence = key
         P = self.weights.pure_draft_prefix_len
+        if key[0] == "tree":
+            _, K, width = key
+
+            def tree():
+                cand = pool_select(self.base[:K], P, self.pool_size, self.pool)
+                first = first_tokens(self.base[0], width)  # [W] on device: topk, no host read
+                return head_branches(self.weights, self.z[:K], self.base[:K], self.x_start, first, cand)
+
+            return tree
+        K, confidence = key
 
         def rollout():
             cand = pool_select(self.base[:K], P, self.pool_size, self.pool)  # [M] ascending, or None
@@ -93,9 +107,16 @@ class RolloutGraphs:
 
     def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
               confidence: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self._fill(z, base_logits, x_start)
+        tokens, belief = self.graphs.run((z.shape[0], confidence))
+        return tokens.clone(), None if belief is None else belief.clone()
+
+    def branches(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int) -> torch.Tensor:
+        self._fill(z, base_logits, x_start)
+        return self.graphs.run(("tree", z.shape[0], width)).clone()
+
+    def _fill(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor) -> None:
         K = z.shape[0]
         self.z[:K].copy_(z)
         self.base[:K].copy_(base_logits)
         self.x_start.copy_(x_start.reshape(1))
-        tokens, belief = self.graphs.run((K, confidence))
-        return tokens.clone(), None if belief is None else belief.clone()

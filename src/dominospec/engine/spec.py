@@ -342,7 +342,8 @@ class SpecEngine:
         t1 = clock.mark(on_device)
         if K > 0 and W > 1:
             branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.mode == "domino",
-                                      self.options.candidate_pool, W)  # [W, K]
+                                      self.options.candidate_pool, W, kernels=self.head_kernels,
+                                      graphs=self.head_graphs)  # [W, K]
         elif K > 0:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
                                 self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
