@@ -7,9 +7,14 @@ the target's token is among the W most likely of the base logits u_0, and the br
 then goes on as the teacher-forced chain does (greedy drafting: exact). The walk over each answer
 (train.walk) then gives τ at K = B - 1 for each W, with the head and without.
 
-    python benchmarks/first_guesses.py [--params params.yaml] [--prompts 8] [--widths 1,2,3,4,6,8]
+A tree may also branch at the second token (`--second`: W x b): each first guess is continued by
+the draft's b most likely second tokens after it, W·b chains in all. Its second token is right when
+the target's is among those b of the branch with the right first token (the head's corrected slot 1
+after that token, teacher-forced: exact for greedy drafting), and that branch goes on as the chain.
 
-Prints P(target's token among the first W guesses) and walk τ by W, per suite, as a markdown table.
+    python benchmarks/first_guesses.py [--params params.yaml] [--prompts 8] [--widths 1,2,3,4,6,8] [--second 1,2]
+
+Prints P(target's token among the first W guesses) and walk τ by W (and b), per suite, as a markdown table.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import argparse
 import torch
 
 
-def walk_tau(items: list, width: int, head: bool, num_draft: int) -> float:
-    """Per-answer scores -> pooled walk τ of a W-guess tree (train.walk's rule: n accepted, n + 1 emitted)."""
+def walk_tau(items: list, width: int, head: bool, num_draft: int, second: int = 1) -> float:
+    """Per-answer scores -> pooled walk τ of a W-guess tree, each guess continued by its `second` best
+    second tokens (train.walk's rule: n accepted, n + 1 emitted)."""
     emitted = rounds = 0
-    for anchors, rank, right_head, right_base, end in items:
+    for anchors, rank, right_head, right_base, end, rank2_head, rank2_base, valid in items:
         right = (right_head if head else right_base).clone()
         right[:, 0] = rank < width
+        if right.shape[1] > 1:
+            right[:, 1] = ((rank2_head if head else rank2_base) < second) & valid[:, 1]
         accepted = dict(zip(anchors.tolist(), right[:, :num_draft].long().cumprod(1).sum(1).tolist()))
         a = int(anchors[0])
         while a < end - 1:
@@ -46,6 +54,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--widths", default="1,2,3,4,6,8")
+    parser.add_argument("--second", default="1", help="second-token branchings b to try with each W")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -55,7 +64,8 @@ def main() -> None:
     config, K = draft.config, int(draft.config.block_size) - 1
     ar = SpecEngine(target, None, "ar")
     widths = [int(w) for w in args.widths.split(",")]
-    print("| suite | W | P(token among W guesses) | walk τ Domino | walk τ head off |\n|---|---|---|---|---|")
+    seconds = [int(b) for b in args.second.split(",")]
+    print("| suite | W | b | chains | P(token among W guesses) | walk τ Domino | walk τ head off |\n|---|---|---|---|---|---|---|")
     for spec in params.evaluate.suites:
         suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts, params.evaluate.max_prompt_tokens)
         items = []
@@ -72,12 +82,16 @@ def main() -> None:
             labels, valid = blocks.labels[0], blocks.label_mask[0]  # [A, B-1]
             gold = base[0, :, 0].gather(1, labels[:, :1])  # [A, 1]: the target's token's base logit at slot 0
             rank = (base[0, :, 0] > gold).sum(1)  # [A]: 0 = the draft's best guess
+            # slot 1 after the right first token (teacher-forced): the rank of the target's second token
+            rank2 = [(logits[0, :, 1] > logits[0, :, 1].gather(1, labels[:, 1:2])).sum(1) if K > 1
+                     else torch.zeros_like(rank) for logits in (final, base)]
             items.append((anchors, rank, (final[0].argmax(-1) == labels) & valid, (base[0].argmax(-1) == labels) & valid,
-                          ids.numel()))
+                          ids.numel(), *rank2, valid))
         ranks = torch.cat([item[1] for item in items])
         for w in widths:
-            print(f"| {suite.name} | {w} | {float((ranks < w).float().mean()):.3f} | "
-                  f"{walk_tau(items, w, True, K):.3f} | {walk_tau(items, w, False, K):.3f} |")
+            for b in seconds:
+                print(f"| {suite.name} | {w} | {b} | {w * b} | {float((ranks < w).float().mean()):.3f} | "
+                      f"{walk_tau(items, w, True, K, b):.3f} | {walk_tau(items, w, False, K, b):.3f} |")
 
 
 if __name__ == "__main__":
