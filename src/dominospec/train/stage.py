@@ -1,7 +1,8 @@
 """The `train` stage: hidden-state cache -> draft checkpoints, metrics/train.json, one MLflow run.
 
 Outputs (params `paths`):
-  checkpoints/last.ckpt, step-*.ckpt   Lightning checkpoints (automatic resume after a crash)
+  checkpoints/last.ckpt, step-*.ckpt   Lightning checkpoints (automatic resume after a crash;
+                                       a SIGTERM saves last.ckpt at its step and exits 143: preempt.py)
   checkpoints/final/                   the inner draft model, `save_pretrained` (what export reads)
   checkpoints/run.json                 fingerprint of what is being trained + MLflow run id
   metrics/train.json                   acceptance length head on/off, accuracy by position, steps, minutes
@@ -24,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dominospec.config import Params, as_flat_dict
 from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
+from dominospec.train.preempt import PreemptionCheckpoint, preemptible, raise_if_preempted
 
 
 def run_fingerprint(params: Params, data_fingerprint: str) -> str:
@@ -66,7 +68,7 @@ def write_run_record(ckpt_dir: Path, fingerprint: str, run_id: Optional[str]) ->
 def train(params: Params, callbacks: Sequence[Any] = ()) -> None:
     """Params -> trained draft under paths.checkpoints (+ metrics, plots, MLflow run). `callbacks`:
     extra Lightning callbacks for the fit (benchmarks/ddp_scaling.py times the steps with one)."""
-    with training_numerics():
+    with training_numerics(), preemptible():
         _fit(params, list(callbacks))
 
 
@@ -118,6 +120,7 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         every_n_train_steps=params.train.checkpoint_every_steps,
         save_last=True,
         save_top_k=-1,
+        enable_version_counter=False,  # overwrite a last.ckpt it did not write (preempt.py's): never last-v1.ckpt
     )
     trainer = L.Trainer(
         max_steps=params.train.max_steps,
@@ -134,12 +137,15 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=params.train.log_every_steps,
         logger=logger,
-        callbacks=[checkpoints, curves, LearningRateMonitor(logging_interval="step"), *extra_callbacks],
+        callbacks=[checkpoints, PreemptionCheckpoint(ckpt_dir), curves, LearningRateMonitor(logging_interval="step"),
+                   *extra_callbacks],
         enable_progress_bar=True,
         default_root_dir=str(ckpt_dir),
     )
     trainer.fit(setup.module, datamodule=setup.datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    raise_if_preempted(trainer, ckpt_dir)  # no final outputs after a SIGTERM: the rerun writes them
     trainer.validate(setup.module, datamodule=setup.datamodule, verbose=False)
+    raise_if_preempted(trainer, ckpt_dir)
     if trainer.is_global_zero:
         setup.module.draft.save_pretrained(ckpt_dir / "final", safe_serialization=True)
         summary = setup.module.final_validation()
