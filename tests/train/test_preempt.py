@@ -151,3 +151,18 @@ def test_other_errors_save_no_checkpoint(tiny_cache, tmp_path):
         train(params, callbacks=[FailAt()])
     assert not list((tmp_path / "checkpoints").glob("*.ckpt*"))
     assert_no_final_outputs(tmp_path)
+
+
+def test_training_minutes_stop_at_the_end_of_training():
+    """A checkpoint saved after training ended (a SIGTERM in the final validation) must not count the
+    time since as optimisation: CurveRecorder's clock stops at on_train_end."""
+    from dominospec.train.curves import CurveRecorder
+
+    recorder = CurveRecorder()
+    recorder.on_train_start(None, None)
+    time.sleep(0.02)
+    recorder.on_train_end(None, None)
+    trained = recorder.train_seconds
+    assert trained >= 0.02
+    time.sleep(0.05)
+    assert recorder.state_dict()["train_seconds"] == trained

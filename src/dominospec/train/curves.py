@@ -29,6 +29,7 @@ class CurveRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._bank()
+        self._since = None  # the clock stops: a checkpoint saved later (a SIGTERM in the final validation) adds nothing
 
     def _bank(self) -> None:
         if self._since is not None:
