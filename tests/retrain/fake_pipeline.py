@@ -6,7 +6,11 @@ reads `candidate.json` there, {"tau", "exact_match", "action"}, and with action
          <paths.metrics>/eval.json (eval/stage.py's keys: suites.<name>.walk.domino.acceptance_length = tau, ...);
   exit   writes half a draft, then exits 3 (a crashed `dvc repro`);
   hang   writes `started` (its pid), waits until `release` exists (60 s at most), then as ok;
-  stale_eval  as ok, then replaces the draft's weights (eval.json no longer describes them).
+  stale_eval  as ok, then replaces the draft's weights (eval.json no longer describes them);
+  stage  as `dvc repro` running a stage: starts a child in its own process group (the "stage", which
+         traps SIGTERM, writes `stage_got_sigterm`, takes 1 s to save, writes `stage_saved`, exits 143),
+         writes `started` (the child's pid), then waits for it. Like dvc it keeps SIGTERM's default
+         action: signalled alone, it dies and the stage goes on, orphaned.
 """
 
 import argparse
@@ -18,6 +22,20 @@ import time
 from pathlib import Path
 
 from dominospec.config import load_params
+
+
+STAGE = """
+import os, signal, sys, time
+from pathlib import Path
+def stop(*_):
+    Path("stage_got_sigterm").write_text("1")
+    time.sleep(1.0)  # a checkpoint being saved
+    Path("stage_saved").write_text("1")
+    os._exit(143)
+signal.signal(signal.SIGTERM, stop)
+Path("stage_ready").write_text(str(os.getpid()))
+time.sleep(60)
+"""
 
 
 def write_outputs(params, tau: float, exact_match: float) -> None:
@@ -51,6 +69,14 @@ def main() -> int:
         (Path(params.paths.draft) / "model.safetensors").write_bytes(b"half")
         print("fake pipeline: dying mid-run", file=sys.stderr)
         return 3
+    if candidate["action"] == "stage":
+        import subprocess
+
+        stage = subprocess.Popen([sys.executable, "-c", STAGE])
+        while not Path("stage_ready").exists():
+            time.sleep(0.02)
+        Path("started").write_text(str(stage.pid))
+        return stage.wait()
     if candidate["action"] == "hang":
         Path("started").write_text(str(os.getpid()))
         deadline = time.monotonic() + 60

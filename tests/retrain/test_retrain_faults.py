@@ -91,3 +91,27 @@ def test_lock_is_exclusive_and_released(tmp_path):
     assert path.read_text() == ""  # released: no holder recorded
     with RetrainLock(path) as again:
         assert again.stale_pid is None
+
+
+def test_sigterm_to_the_retrain_reaches_the_stage_and_is_awaited(workspace, registry):
+    """A scheduler that signals only the retrain (Kubernetes' PID 1, `kill PID`): the stage running
+    under the pipeline command gets the SIGTERM too, the retrain waits until it has saved and exited,
+    then reports a failure that names the signal; the champion stays, the lock is free."""
+    workspace.candidate(tau=1.30)
+    retrain(workspace.params())
+    workspace.candidate(tau=9.0, action="stage")
+    proc = workspace.cli()
+    wait_for(workspace.root / "started", proc)
+    stage_pid = int((workspace.root / "started").read_text())
+    os.kill(proc.pid, signal.SIGTERM)  # the retrain alone, not its group
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert (workspace.root / "stage_got_sigterm").exists(), "the stage never saw the SIGTERM"
+    assert (workspace.root / "stage_saved").exists(), "the retrain exited before the stage had saved"
+    with pytest.raises(ProcessLookupError):
+        os.kill(stage_pid, 0)  # nothing of the pipeline runs on
+    assert proc.returncode == 2, (out, err)
+    report = workspace.report()
+    assert report["decision"] == "failed" and "stopped by SIGTERM" in report["reason"], report
+    assert registry.champion_version() == "1" and versions(registry) == ["1"]
+    workspace.candidate(tau=1.50)  # the lock is free again
+    assert retrain(workspace.params())["decision"] == "promoted"

@@ -13,7 +13,10 @@ Steps, under the retrain lock (lock.py):
 Every run that got the lock writes `<paths.metrics>/retrain.json` (decision promoted | rejected |
 failed, the reason, versions, gate numbers) and prints the decision. Invariant: the champion moves
 in the very last step, so a failed command, an exception or a SIGKILL anywhere before it leaves
-the champion as it was; the kernel drops the lock of a killed run.
+the champion as it was; the kernel drops the lock of a killed run. A SIGTERM or SIGINT while a
+command runs is passed to the command's whole process group (group.py: dvc does not pass it on to
+its stage), awaited, and reported as a failure: the lock is released only once nothing of the
+pipeline runs any more.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
+import signal
 import sys
 import time
 import traceback
@@ -33,6 +36,7 @@ from dominospec.errors import UserError
 from dominospec.eval.prompts import suite_name
 from dominospec.files import sha256_file, write_json
 from dominospec.retrain.gate import decide, read_score
+from dominospec.retrain.group import run_group
 from dominospec.retrain.lock import RetrainLock
 from dominospec.retrain.registry import Registry, eval_metrics, gate_tags
 from dominospec.tracking import git_commit
@@ -58,7 +62,9 @@ def check_gate_params(params: Params) -> None:
 
 
 def run_commands(commands: list[list[str]]) -> None:
-    """Run each argv in order (output passes through); RetrainFailed at the first that does not exit 0.
+    """Run each argv in order (output passes through); RetrainFailed at the first that does not exit 0,
+    or when a SIGTERM / SIGINT stopped it: each runs as its own process group, which the stop reaches
+    whole and which has ended when this returns (group.py).
 
     The interpreter's bin dir leads PATH, so `dvc` and the `python` of dvc.yaml's stage commands are
     the environment running the retrain (cron and systemd need no activated venv)."""
@@ -66,9 +72,13 @@ def run_commands(commands: list[list[str]]) -> None:
     for argv in commands:
         print(f"retrain: $ {shlex.join(argv)}", flush=True)
         try:
-            code = subprocess.run(argv, env=env).returncode
+            code, stop = run_group(argv, env)
         except OSError as err:
             raise RetrainFailed(f"`{shlex.join(argv)}` could not start: {err}") from None
+        if stop is not None:
+            raise RetrainFailed(f"stopped by {signal.Signals(stop).name} while `{shlex.join(argv)}` ran (it exited "
+                                f"with {code}; its whole process group was signalled and has ended): the next "
+                                f"retrain resumes the pipeline (train from its last.ckpt)")
         if code != 0:
             raise RetrainFailed(f"`{shlex.join(argv)}` exited with {code}")
 
