@@ -56,11 +56,9 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     if head and graphs is not None:
         return graphs.branches(z, base_logits, x_start, width)
     if head and kernels is not None:
-        from dominospec.kernels.head_branches import head_branches
-        from dominospec.kernels.pool_select import pool_select
+        from dominospec.engine.head_kernels import tree_rollout
 
-        pool = pool_select(base_logits, kernels.pure_draft_prefix_len, pool_size)
-        return head_branches(kernels, z, base_logits, x_start, first_tokens(base_logits[0], width), pool)
+        return tree_rollout(kernels, z, base_logits, x_start, width, pool_size)
     K, V = base_logits.shape
     tokens = torch.empty(width, K, dtype=torch.long, device=base_logits.device)
     tokens[:, 0] = first_tokens(base_logits[0], width)
