@@ -48,6 +48,19 @@ def first_tokens(u0: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([best[None], rest.topk(width - 1).indices])
 
 
+def tree_rollout(weights: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int,
+                 pool_size: int, workspace: Any = None) -> torch.Tensor:
+    """A draft tree on the kernels: z [K, H], u [K, V], x_start [1] -> tokens [W, K], for the head
+    prepared as `HeadWeights` (engine.head_kernels). The pool (`pool_select`, on `workspace` when
+    given) and the W first tokens are chosen on the device, so the whole call can be captured
+    (`RolloutGraphs.branches`)."""
+    from dominospec.kernels.head_branches import head_branches
+    from dominospec.kernels.pool_select import pool_select
+
+    cand = pool_select(base_logits, weights.pure_draft_prefix_len, pool_size, workspace)  # [M] ascending, or None
+    return head_branches(weights, z, base_logits, x_start, first_tokens(base_logits[0], width), cand)
+
+
 def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
                    head: bool, pool_size: int, width: int, kernels: Any = None, graphs: Any = None) -> torch.Tensor:
     """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long): branch w in row w (module docstring).
@@ -56,8 +69,6 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     if head and graphs is not None:
         return graphs.branches(z, base_logits, x_start, width)
     if head and kernels is not None:
-        from dominospec.engine.head_kernels import tree_rollout
-
         return tree_rollout(kernels, z, base_logits, x_start, width, pool_size)
     K, V = base_logits.shape
     tokens = torch.empty(width, K, dtype=torch.long, device=base_logits.device)

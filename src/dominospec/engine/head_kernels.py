@@ -86,6 +86,8 @@ class RolloutGraphs:
 
         P = self.weights.pure_draft_prefix_len
         if key[0] == "tree":
+            from dominospec.engine.branches import tree_rollout
+
             _, K, width = key
             return lambda: tree_rollout(self.weights, self.z[:K], self.base[:K], self.x_start, width, self.pool_size,
                                         self.pool)
@@ -113,16 +115,3 @@ class RolloutGraphs:
         self.z[:K].copy_(z)
         self.base[:K].copy_(base_logits)
         self.x_start.copy_(x_start.reshape(1))
-
-
-def tree_rollout(weights: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int,
-                 pool_size: int, workspace: Any = None) -> torch.Tensor:
-    """A draft tree on the kernels: z [K, H], u [K, V], x_start [1] -> tokens [W, K] (engine.branches).
-    The pool (`pool_select`, on `workspace` when given) and the W first tokens are chosen on the
-    device, so the whole call can be captured."""
-    from dominospec.engine.branches import first_tokens
-    from dominospec.kernels.head_branches import head_branches
-    from dominospec.kernels.pool_select import pool_select
-
-    cand = pool_select(base_logits, weights.pure_draft_prefix_len, pool_size, workspace)  # [M] ascending, or None
-    return head_branches(weights, z, base_logits, x_start, first_tokens(base_logits[0], width), cand)
