@@ -18,7 +18,7 @@ from engine_helpers import random_prompts, tiny_draft, tiny_target  # noqa: E402
 from dominospec.cache.features import target_hidden  # noqa: E402
 from dominospec.engine import SpecEngine  # noqa: E402
 from dominospec.train import objective as O  # noqa: E402
-from dominospec.train.walk import WalkStats, reply_spans, walk_reply, walk_sequence  # noqa: E402
+from dominospec.train.walk import WalkStats, reply_spans, walk_reply, walk_sequence, walked_spans  # noqa: E402
 
 LAYER_IDS = [0, 2]
 
@@ -66,21 +66,24 @@ def _fitted_draft(target, prompts, head: bool):
     return draft.eval().requires_grad_(False)
 
 
-def _engine_and_walk(head: bool):
+def _engine_and_walk(head: bool, horizon=None):
+    """-> the engine's counts over 30 new tokens (`horizon` tokens when given), and the walk's over
+    the 30-token replies (cut to `horizon`)."""
     target = tiny_target(vocab=24, dtype=torch.float64, scale=0.5)
     prompts = random_prompts(6, 24, seed=3, min_len=3, max_len=8)
     draft = _fitted_draft(target, prompts, head)
     engine = SpecEngine(target, draft, "domino" if head else "dflash")
     engine_total, walk_total = WalkStats(position_accepted=[0] * 4, position_proposed=[0] * 4), WalkStats()
     for prompt in prompts:
-        out = engine.generate(prompt, 30)
+        out = engine.generate(prompt, horizon or 30)
         engine_total.emitted += out.stats.round_tokens
         engine_total.rounds += out.stats.rounds
         engine_total.position_accepted = [a + b for a, b in zip(engine_total.position_accepted, out.stats.position_accepted)]
         engine_total.position_proposed = [a + b for a, b in zip(engine_total.position_proposed, out.stats.position_proposed)]
-        ids, loss_mask, feats = _sequence(target, prompt, out.token_ids)
+        reply = out.token_ids if horizon is None else engine.generate(prompt, 30).token_ids
+        ids, loss_mask, feats = _sequence(target, prompt, reply)
         walk_total.merge(walk_sequence(draft, target.embed_tokens, target.lm_head, ids, loss_mask, feats,
-                                       num_draft=4, head=head, chunk=7))
+                                       num_draft=4, head=head, chunk=7, horizon=horizon))
     return engine_total, walk_total
 
 
@@ -91,3 +94,22 @@ def test_walk_equals_engine_head_on_and_off():
         # Accepted/proposed counts by position may differ in a reply's last round only: the engine
         # does not know a stop token comes next and verifies drafts beyond it.
         assert 1.2 < walk.acceptance_length < 4.5, walk.acceptance_length  # the drafts do get accepted
+
+
+def test_walk_to_a_horizon_equals_the_engine_decoding_that_many_tokens():
+    """A val reply longer than evaluate's answers: walked to h tokens it reads what the engine reads
+    decoding h tokens (the rounds of the longer reply's rest are not counted)."""
+    for head in (True, False):
+        engine, walk = _engine_and_walk(head, horizon=17)
+        assert walk.rounds == engine.rounds and walk.emitted == engine.emitted, head
+        _, whole = _engine_and_walk(head)
+        assert walk.emitted < whole.emitted, (walk.emitted, whole.emitted)  # the horizon did cut the replies
+
+
+def test_walked_spans():
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert walked_spans(mask) == [(1, 6)]
+    assert walked_spans(mask, first_reply_only=False) == [(1, 6), (7, 10)]
+    assert walked_spans(mask, first_reply_only=False, horizon=2) == [(1, 3), (7, 9)]
+    assert walked_spans(mask, horizon=1) == []  # a one-token reply offers no round
+    assert walked_spans(torch.tensor([0, 1, 0, 1, 1], dtype=torch.bool)) == [(3, 5)]  # too short ones skipped first

@@ -21,6 +21,7 @@ For one reply occupying positions s..e-1 of a sequence (loss_mask True there):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -110,22 +111,14 @@ def walk_reply(accepted: dict[int, int], start: int, end: int, num_draft: int) -
 
 
 @torch.no_grad()
-def walk_sequence(
-    draft, embed_tokens, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_features: torch.Tensor,
-    num_draft: int, head: bool = True, chunk: int = 64, first_reply_only: bool = True,
-) -> WalkStats:
-    """One sequence: input_ids / loss_mask [T], target_features [T, n*H] -> the engine walk over
-    each of its replies, drafting with the head (`head`) or from the base logits alone.
-
-    The draft is scored at every anchor a reply may start a round from (all at once, `chunk`
-    anchors per forward), then each reply is walked over those scores. `first_reply_only` walks
-    the first reply alone: the engine is evaluated on first-turn prompts."""
+def accepted_drafts(
+    draft, embed_tokens, lm_head, input_ids: torch.Tensor, spans: list[tuple[int, int]], target_features: torch.Tensor,
+    num_draft: int, head: bool = True, chunk: int = 64,
+) -> dict[int, int]:
+    """input_ids [T], reply spans [(s, e)], target_features [T, n*H] -> {anchor a -> leading right
+    drafts at a (<= num_draft)} for every anchor a round may start from (s <= a < e - 1), drafting
+    with the head (`head`) or from the base logits alone; `chunk` anchors per draft forward."""
     T = input_ids.shape[0]
-    spans = [(s, e) for s, e in reply_spans(loss_mask) if e - s >= 2]
-    spans = spans[:1] if first_reply_only else spans
-    total = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
-    if not spans:
-        return total
     anchors = torch.cat([torch.arange(s, e - 1) for s, e in spans])  # every possible x_start
     # A label counts only inside its own reply: mask positions outside the reply spans.
     supervised = torch.zeros(T, dtype=torch.bool)
@@ -142,9 +135,38 @@ def walk_sequence(
         correct = (logits[0].argmax(-1) == blocks.labels[0]) & blocks.label_mask[0]  # [N, Bk]
         for a, n in zip(part.tolist(), leading_accepted(correct, num_draft).tolist()):
             accepted[a] = n
+    return accepted
+
+
+def walked_spans(loss_mask: torch.Tensor, first_reply_only: bool = True,
+                 horizon: Optional[int] = None) -> list[tuple[int, int]]:
+    """loss_mask [T] -> the reply spans a walk covers: replies of >= 2 tokens (the first alone when
+    `first_reply_only`: the engine is evaluated on first-turn prompts), each cut to its first
+    `horizon` tokens when given (the engine's max_new_tokens: it never decodes past them)."""
+    spans = [(s, e) for s, e in reply_spans(loss_mask) if e - s >= 2]
+    spans = spans[:1] if first_reply_only else spans
+    if horizon is not None:
+        spans = [(s, min(e, s + horizon)) for s, e in spans]
+    return [(s, e) for s, e in spans if e - s >= 2]
+
+
+def walk_sequence(
+    draft, embed_tokens, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_features: torch.Tensor,
+    num_draft: int, head: bool = True, chunk: int = 64, first_reply_only: bool = True, horizon: Optional[int] = None,
+) -> WalkStats:
+    """One sequence: input_ids / loss_mask [T], target_features [T, n*H] -> the engine walk over
+    its replies (`walked_spans`), drafting with the head (`head`) or from the base logits alone.
+
+    The draft is scored at every anchor a reply may start a round from (`accepted_drafts`), then
+    each reply is walked over those scores."""
+    spans = walked_spans(loss_mask, first_reply_only, horizon)
+    total = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
+    if not spans:
+        return total
+    accepted = accepted_drafts(draft, embed_tokens, lm_head, input_ids, spans, target_features, num_draft, head, chunk)
     for s, e in spans:
         total.merge(walk_reply(accepted, s, e, num_draft))
     return total
 
 
-__all__ = ["WalkStats", "reply_spans", "leading_accepted", "walk_reply", "walk_sequence"]
+__all__ = ["WalkStats", "reply_spans", "leading_accepted", "walk_reply", "accepted_drafts", "walked_spans", "walk_sequence"]
