@@ -145,6 +145,7 @@ class TrainParams:
     ce_kernel: Literal["auto", "torch", "triton"]  # the loss's cross-entropy: chunked torch ops, or one fused Triton kernel (dominospec.kernels.cross_entropy); auto = triton on CUDA
     val_every_steps: int
     val_max_sequences: int
+    val_walk_tokens: Optional[int]  # the val walk covers each reply's first n tokens (evaluate decodes evaluate.max_new_tokens); null = whole replies
     checkpoint_every_steps: int
     log_every_steps: int
     seed: int

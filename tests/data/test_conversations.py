@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from data_helpers import sample_records
 
-from dominospec.data.conversations import ROLES, assign_split, normalize_record, normalize_records
+from dominospec.data.conversations import ROLES, assign_split, first_prompt, held_out, normalize_record, normalize_records
 
 
 def _by_id(conversations):
@@ -141,3 +141,31 @@ def test_parts_of_one_conversation_share_a_split():
         assert splits == {assign_split(base, 0, 0.3, 0.3)}
     # distinct conversations still spread over the splits
     assert {assign_split(f"conv{i}_0", 0, 0.3, 0.3) for i in range(200)} == {"train", "val", "test"}
+
+
+def _conversation(cid, split, *messages):
+    roles = {"s": "system", "u": "user", "a": "assistant"}
+    return {"id": cid, "split": split, "messages": [{"role": roles[m[0]], "content": m[2:]} for m in messages]}
+
+
+def test_first_prompt_is_everything_up_to_the_first_user_turn():
+    c = _conversation("x", "train", "s:be brief", "u:hi", "a:hello", "u:more")
+    assert first_prompt(c["messages"]) == (("system", "be brief"), ("user", "hi"))
+
+
+def test_train_conversations_opening_with_a_scored_prompt_are_dropped():
+    conversations = [
+        _conversation("t1", "train", "u:hi", "a:one"),                  # opens with test's prompt: dropped
+        _conversation("t2", "train", "u:hi", "a:two", "u:hi", "a:x"),   # likewise, whatever follows
+        _conversation("t3", "train", "s:be brief", "u:hi", "a:three"),  # another prompt (a system turn): kept
+        _conversation("t4", "train", "u:Hi", "a:four"),                 # another text: kept
+        _conversation("t5", "train", "u:later", "a:five", "u:hi", "a:y"),  # hi later on: kept
+        _conversation("t6", "train", "u:bye", "a:six"),                 # opens with val's prompt: dropped
+        _conversation("x1", "test", "u:hi", "a:test"),
+        _conversation("x2", "test", "u:hi", "a:test again"),            # repeats within test are kept
+        _conversation("v1", "val", "u:bye", "a:val"),
+    ]
+    kept, dropped = held_out(conversations)
+    assert [c["id"] for c in kept] == ["t3", "t4", "t5", "x1", "x2", "v1"] and dropped == 3
+    assert held_out([c for c in conversations if c["split"] == "train"]) == (
+        [c for c in conversations if c["split"] == "train"], 0)  # nothing held out: nothing dropped

@@ -95,6 +95,27 @@ def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_
     assert metrics["conversations_kept"] == len(KEPT) + 1 - metrics["skipped"]["no_assistant_tokens"]
 
 
+def test_a_train_conversation_opening_with_a_test_prompt_is_dropped_and_counted(tmp_path, tiny_target_dir):
+    records = sample_records()
+    split_of = {r["id"]: assign_split(r["id"], 1, 0.25, 0.25) for r in records}
+    test_id = next(i for i in KEPT if split_of[i] == "test")
+    test_prompt = next(r for r in records if r["id"] == test_id)["conversations"][0]
+    # a new train conversation (its id hashes to train) that opens with the test conversation's prompt
+    copy_id = next(f"copy{k}" for k in range(100) if assign_split(f"copy{k}", 1, 0.25, 0.25) == "train")
+    copy = {"id": copy_id, "conversations": [test_prompt, {"from": "gpt", "value": "An answer to learn."}]}
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*records, copy]))
+    section = {"source": str(source), "val_fraction": 0.25, "test_fraction": 0.25, "split_seed": 1}
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare=section, target=_tiny(tiny_target_dir)))
+    prepare(params)
+    splits, _ = read_dataset(params.paths.prepared)
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    assert sorted(i for d in splits.values() for i in d["id"]) == sorted(KEPT)  # the copy is not trained on
+    assert test_id in splits["test"]["id"]  # the test suite keeps its prompt
+    assert metrics["skipped"]["train_prompt_held_out"] == 1
+    assert metrics["conversations_kept"] + sum(metrics["skipped"].values()) == metrics["conversations_read"] == 16
+
+
 def test_mask_token_skips_candidates_that_occur_in_the_data(tmp_path, tiny_target_dir):
     record = {"id": "uses-mask", "conversations": [{"from": "human", "value": "what does <empty_output> mean?"},
                                                    {"from": "gpt", "value": "An empty cell output."}]}  # fmt: skip

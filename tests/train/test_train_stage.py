@@ -136,6 +136,24 @@ def test_sampled_vocabulary_trains_through_the_stage_and_validates_on_the_full_v
         train(load_params(run_params(tiny_cache, tmp_path / "neg", loss_vocab="sampled", loss_negatives=0)))
 
 
+def test_the_val_walk_covers_each_reply_to_val_walk_tokens(tiny_cache, tmp_path):
+    """train.val_walk_tokens: each val reply is walked over its first n tokens only (evaluate decodes
+    that many), so a short horizon walks fewer rounds; a horizon without a round is refused."""
+    from dominospec.train.stage import train
+
+    walks = {}
+    for horizon in (None, 4):
+        train(load_params(run_params(tiny_cache, tmp_path / str(horizon), max_steps=2, val_every_steps=2,
+                                     val_walk_tokens=horizon)))
+        walks[horizon] = json.loads((tmp_path / str(horizon) / "metrics" / "train.json").read_text())
+    replies = walks[4]["val_walk_replies"]
+    assert replies == walks[None]["val_walk_replies"] > 0
+    assert replies <= walks[4]["val_walk_rounds"] <= 3 * replies  # 4 tokens: the first from the prefill, <= 3 rounds
+    assert walks[None]["val_walk_rounds"] > 3 * replies  # the whole replies (up to 40 tokens) take more
+    with pytest.raises(UserError, match="train.val_walk_tokens must be >= 2"):
+        train(load_params(run_params(tiny_cache, tmp_path / "one", val_walk_tokens=1)))
+
+
 def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
     """The loss vocabulary spans the data's assistant tokens; the target's labels can lie outside it."""
     from dominospec.train.stage import train

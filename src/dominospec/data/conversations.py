@@ -113,6 +113,27 @@ def assign_split(conversation_id: str, split_seed: int, val_fraction: float, tes
     return "train"
 
 
+def first_prompt(messages: list[dict[str, str]]) -> tuple[tuple[str, str], ...]:
+    """Normalised messages -> the prompt a first turn answers (every message up to and including the
+    first user one) as hashable (role, content) pairs: what evaluate's `sharegpt` suite sends."""
+    end = next((i for i, m in enumerate(messages) if m["role"] == USER), len(messages) - 1)
+    return tuple((m["role"], m["content"]) for m in messages[: end + 1])
+
+
+def held_out(conversations: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Conversations with their "split" -> (those kept, train conversations dropped).
+
+    A train conversation is dropped when its first prompt is also the first prompt of a val or test
+    conversation: the draft must not learn the target's answer to a prompt it is then scored on.
+    ShareGPT repeats prompts under different ids: split by id alone, 23 of the 170 test prompts and
+    14 of the 173 val prompts also opened train conversations (178 of them; "hi" 48, "Continue
+    writing please" 28), and a draft that learnt the target's answer to one reads a τ there that
+    no new prompt gets. Val and test are left whole: the suites stay the same prompts."""
+    scored = {first_prompt(c["messages"]) for c in conversations if c["split"] != "train"}
+    kept = [c for c in conversations if c["split"] != "train" or first_prompt(c["messages"]) not in scored]
+    return kept, len(conversations) - len(kept)
+
+
 def _read_message(raw: Any) -> tuple[str, str]:
     """One message in either form -> (normalised role, content); raises Skip."""
     if not isinstance(raw, dict):

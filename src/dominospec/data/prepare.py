@@ -1,7 +1,7 @@
 """The `prepare` stage: conversations -> chat-template token ids with assistant loss masks, split train/val/test.
 
     source --read--> records --normalise, dedup--> conversations --split by id hash-->
-    --render + tokenize + mask (datasets.map, num_proc)--> paths.prepared + metrics/prepare.json
+    --drop train conversations opening with a val/test prompt--> --render + tokenize + mask (datasets.map, num_proc)--> paths.prepared + metrics/prepare.json
 
 Only the tokenizer and the identity of the target are needed, not its weights. Every record
 that does not make it into the output is counted in `skipped` under a reason.
@@ -20,7 +20,7 @@ from datasets import Dataset, DatasetDict, Features, List, Value
 from dominospec.errors import UserError
 from dominospec.config import Params, PrepareParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
-from dominospec.data.conversations import SPLITS, assign_split, normalize_records
+from dominospec.data.conversations import SPLITS, assign_split, held_out, normalize_records
 from dominospec.data.dataset import FEATURES, FORMAT_VERSION, write_dataset
 from dominospec.files import write_json
 from dominospec.data.sources import read_source
@@ -53,6 +53,9 @@ def prepare(params: Params) -> None:
         raise UserError(f"prepare.source {cfg.source}: no usable conversation (skipped: {dict(skipped)})")
     for c in conversations:
         c["split"] = assign_split(c["id"], cfg.split_seed, cfg.val_fraction, cfg.test_fraction)
+    conversations, leaked = held_out(conversations)
+    if leaked:
+        skipped["train_prompt_held_out"] += leaked
 
     tokenizer = load_tokenizer(params.target)
     identity = identity_without_weights(params.target)

@@ -115,6 +115,9 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     if params.train.loss_vocab == "sampled" and params.train.loss == "kd":
         raise UserError("train.loss_vocab: sampled estimates the softmax of hard labels, but train.loss: kd distils "
                         "the target's whole distribution: set train.loss: ce (or train.loss_vocab: full)")
+    if params.train.val_walk_tokens is not None and params.train.val_walk_tokens < 2:
+        raise UserError(f"train.val_walk_tokens must be >= 2 (a round needs a reply of two tokens) or null, "
+                        f"got {params.train.val_walk_tokens}")
     if params.train.loss_negatives < 1:
         raise UserError(f"train.loss_negatives must be >= 1, got {params.train.loss_negatives}")
     if params.train.init_from_target:

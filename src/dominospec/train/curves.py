@@ -125,6 +125,7 @@ def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict
         "val_walk_acceptance_length_base": summary["walk_base"]["acceptance_length"],
         "val_walk_acceptance_by_position": summary["walk"]["acceptance_by_position"],
         "val_walk_replies": summary["walk"]["replies"],
+        "val_walk_rounds": summary["walk"]["rounds"],  # over each reply's first train.val_walk_tokens tokens
         "steps": steps,
         "train_minutes": round(minutes, 4),
     }

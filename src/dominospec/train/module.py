@@ -243,14 +243,16 @@ class DraftLitModule(L.LightningModule):
 
     def _walk(self, batch: dict[str, torch.Tensor], feats: torch.Tensor) -> None:
         """Engine-faithful τ: walk each sequence's first reply round by round (train/walk.py),
-        K = B - 1 drafts per round as the engine verifies by default, head on and off."""
+        K = B - 1 drafts per round as the engine verifies by default, head on and off, over the
+        reply's first `train.val_walk_tokens` tokens (what evaluate decodes)."""
         K = self.draft.config.block_size - 1
         heads = (True, False) if self.draft.config.use_domino_head else (False,)
         for b in range(batch["input_ids"].shape[0]):
             n = int(batch["lengths"][b])
             ids, mask = batch["input_ids"][b, :n].to(self.device), batch["loss_mask"][b, :n]
             for head in heads:
-                stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head)
+                stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head,
+                                      horizon=self.hp.val_walk_tokens)
                 (self.walk_head if head else self.walk_base).merge(stats)
         if not self.draft.config.use_domino_head:
             self.walk_head = self.walk_base
