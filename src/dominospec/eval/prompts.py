@@ -80,12 +80,12 @@ def render(tokenizer: Any, messages: Messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def sharegpt_conversations(prepared_dir: str) -> Iterator[Messages]:
-    """Prepared dataset dir -> the test split's conversations cut after their first user turn."""
+def sharegpt_conversations(prepared_dir: str, split: str = "test") -> Iterator[Messages]:
+    """Prepared dataset dir -> the split's conversations cut after their first user turn."""
     from dominospec.data.dataset import read_dataset
 
     splits, _ = read_dataset(prepared_dir)
-    for conversation in splits["test"]:
+    for conversation in splits[split]:
         messages = conversation["messages"]
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if first_user is not None:
