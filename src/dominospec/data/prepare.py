@@ -1,7 +1,8 @@
 """The `prepare` stage: conversations -> chat-template token ids with assistant loss masks, split train/val/test.
 
     source --read--> records --normalise, dedup--> conversations --split by id hash-->
-    --drop train conversations opening with a val/test prompt--> --render + tokenize + mask (datasets.map, num_proc)--> paths.prepared + metrics/prepare.json
+    --drop train conversations opening with a val/test prompt (conversations.held_out)-->
+    --render + tokenize + mask (datasets.map, num_proc)--> paths.prepared + metrics/prepare.json
 
 Only the tokenizer and the identity of the target are needed, not its weights. Every record
 that does not make it into the output is counted in `skipped` under a reason.
