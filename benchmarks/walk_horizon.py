@@ -12,7 +12,8 @@ to each horizon:
     tail = walk over the tokens past --split alone      (what a longer val reply adds)
 
 It also counts the tokens that repeat an n-gram the answer already holds (loops), by window, and
-whether re-tokenising the decoded answer (as regenerate stores it: text) gives back its tokens.
+whether re-tokenising the decoded answer (as regenerate stores it: text) gives back its tokens
+(answers alike; the share of answer tokens outside the blocks the two sequences share).
 
     python benchmarks/walk_horizon.py [--params params.yaml] [--prompts 48] [--new-tokens 256] [--horizons 64,128,160,256]
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from difflib import SequenceMatcher
 
 import torch
 
@@ -106,9 +108,11 @@ def main() -> None:
         seconds = time.perf_counter() - tick
         walks = {(h, head): WalkStats() for h in horizons + ["tail"] for head in heads}
         flags = []  # per answer [T]: token continues a loop
-        retokenised_same = 0
+        retokenised_same = resplit = 0  # answers given back alike; answer tokens outside the matching blocks
         for prompt, answer in zip(prompts, answers):
-            retokenised_same += tok(tok.decode(answer), add_special_tokens=False)["input_ids"] == answer
+            again = tok(tok.decode(answer), add_special_tokens=False)["input_ids"]
+            retokenised_same += again == answer
+            resplit += len(answer) - sum(b.size for b in SequenceMatcher(None, answer, again, autojunk=False).get_matching_blocks())
             flags.append(repeated(answer, args.ngram))
             if len(answer) < 2:
                 continue
@@ -130,12 +134,12 @@ def main() -> None:
             looped = sum(map(sum, window)) / max(1, sum(map(len, window)))
             rows.append(f"| {name} | {h if h != 'tail' else f'tokens {args.split}+ alone'} | {' | '.join(cells)} | "
                         f"{len(head_stats.per_reply)} | {capped}/{len(answers)} | {looped:.3f} | "
-                        f"{retokenised_same}/{len(answers)} | {sum(lengths) / seconds:.0f} |")
+                        f"{retokenised_same}/{len(answers)} | {resplit / max(1, sum(lengths)):.4f} | {sum(lengths) / seconds:.0f} |")
     cols = " | ".join(["walk τ Domino", "walk τ head off"][: len(heads)] if heads[0] else ["walk τ head off"])
     print(f"K = {K}; {args.prompts} first-turn prompts per split; answers of up to {args.new_tokens} tokens, greedy\n")
     print(f"| split | horizon | {cols} | answers | at the cap | tokens in a repeated {args.ngram}-gram "
-          f"| re-tokenised alike | answer tokens/s |")
-    print("|" + "---|" * (8 + len(heads) - 1))
+          f"| re-tokenised alike | answer tokens re-split | answer tokens/s |")
+    print("|" + "---|" * (9 + len(heads) - 1))
     print("\n".join(rows))
 
 

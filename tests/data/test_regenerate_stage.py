@@ -28,11 +28,22 @@ def _rows(split) -> list[dict]:
     return [dict(r) for r in split]
 
 
+def _variant(record: dict, suffix: str) -> dict:
+    """A record with `suffix` added to its id and to its first message's text (where it has one)."""
+    turns = record.get("conversations")
+    if suffix and isinstance(turns, list) and turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str):
+        turns = [{**turns[0], "value": f"{turns[0]['value']} {suffix}"}, *turns[1:]]
+        return {**record, "id": f"{record['id']}{suffix}", "conversations": turns}
+    return {**record, "id": f"{record['id']}{suffix}"}
+
+
 @pytest.fixture(scope="module")
 def prepared_params(tmp_path_factory, tiny_target_dir):
-    """Real ShareGPT records, each also as two variants with a suffixed id, prepared for the tiny target."""
+    """Real ShareGPT records, each also as two variants with a suffixed id and prompt, prepared for the
+    tiny target (a variant's prompt differs: prepare drops train conversations opening with a val or
+    test prompt)."""
     root = tmp_path_factory.mktemp("regenerate")
-    records = [{**r, "id": f"{r['id']}{suffix}"} for suffix in ("", "-v1", "-v2") for r in sample_records()]
+    records = [_variant(r, suffix) for suffix in ("", "-v1", "-v2") for r in sample_records()]
     source = root / "variants_of_real_records.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
     params_file = write_params(
