@@ -150,7 +150,8 @@ def _conversation(cid, split, *messages):
 
 def test_first_prompt_is_everything_up_to_the_first_user_turn():
     c = _conversation("x", "train", "s:be brief", "u:hi", "a:hello", "u:more")
-    assert first_prompt(c["messages"]) == (("system", "be brief"), ("user", "hi"))
+    assert first_prompt(c["messages"]) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert first_prompt([{"role": "assistant", "content": "alone"}]) == []
 
 
 def test_train_conversations_opening_with_a_scored_prompt_are_dropped():

@@ -113,11 +113,15 @@ def assign_split(conversation_id: str, split_seed: int, val_fraction: float, tes
     return "train"
 
 
-def first_prompt(messages: list[dict[str, str]]) -> tuple[tuple[str, str], ...]:
-    """Normalised messages -> the prompt a first turn answers (every message up to and including the
-    first user one) as hashable (role, content) pairs: what evaluate's `sharegpt` suite sends."""
-    end = next((i for i, m in enumerate(messages) if m["role"] == USER), len(messages) - 1)
-    return tuple((m["role"], m["content"]) for m in messages[: end + 1])
+def first_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Normalised messages -> the prompt a first turn answers: every message up to and including the
+    first user one (what evaluate's `sharegpt` suite sends); [] when there is no user message."""
+    end = next((i for i, m in enumerate(messages) if m["role"] == USER), None)
+    return [] if end is None else [{"role": m["role"], "content": m["content"]} for m in messages[: end + 1]]
+
+
+def _prompt_key(messages: list[dict[str, str]]) -> tuple[tuple[str, str], ...]:
+    return tuple((m["role"], m["content"]) for m in first_prompt(messages))
 
 
 def held_out(conversations: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -129,8 +133,8 @@ def held_out(conversations: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
     14 of the 173 val prompts also opened train conversations (178 of them; "hi" 48, "Continue
     writing please" 28), and a draft that learnt the target's answer to one reads a τ there that
     no new prompt gets. Val and test are left whole: the suites stay the same prompts."""
-    scored = {first_prompt(c["messages"]) for c in conversations if c["split"] != "train"}
-    kept = [c for c in conversations if c["split"] != "train" or first_prompt(c["messages"]) not in scored]
+    scored = {_prompt_key(c["messages"]) for c in conversations if c["split"] != "train"}
+    kept = [c for c in conversations if c["split"] != "train" or _prompt_key(c["messages"]) not in scored]
     return kept, len(conversations) - len(kept)
 
 

@@ -82,14 +82,14 @@ def render(tokenizer: Any, messages: Messages) -> list[int]:
 
 def sharegpt_conversations(prepared_dir: str, split: str = "test") -> Iterator[Messages]:
     """Prepared dataset dir -> the split's conversations cut after their first user turn."""
+    from dominospec.data.conversations import first_prompt
     from dominospec.data.dataset import read_dataset
 
     splits, _ = read_dataset(prepared_dir)
     for conversation in splits[split]:
-        messages = conversation["messages"]
-        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-        if first_user is not None:
-            yield [{"role": m["role"], "content": m["content"]} for m in messages[: first_user + 1]]
+        prompt = first_prompt(conversation["messages"])
+        if prompt:
+            yield prompt
 
 
 def humaneval_file() -> Path:
