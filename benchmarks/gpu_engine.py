@@ -65,8 +65,9 @@ import torch
 BENCH = Path(__file__).resolve().parent
 MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree",
          "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
-         "domino+tree graphs")
-GRAPHED = "ar graphs"  # our CUDA-graph AR: the baseline the graph'd speculative modes are held to
+         "domino+tree graphs", "ar lean", "ngram lean", "dflash lean", "domino lean", "domino+ngram lean",
+         "domino+fork lean", "domino+tree lean")
+GRAPHED = ("ar lean", "ar graphs")  # our CUDA-graph AR (the lean decoder's when it ran): the baseline of the graph'd modes
 TAUS = (2, 3, 4, 5)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
@@ -244,8 +245,9 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     plan = interleave(suites)
     options = EngineOptions(head_kernel="triton" if cuda else "torch", candidate_pool=args.pool)
     graphed = dataclasses.replace(options, static_cache=True, cuda_graphs=cuda, graph_capacity=args.graph_capacity)
+    lean = dataclasses.replace(graphed, lean_target="on")
     engines = {}
-    for suffix, opts in (("", options), (" graphs", graphed)):
+    for suffix, opts in (("", options), (" graphs", graphed), (" lean", lean)):
         engines.update({
             "ar" + suffix: SpecEngine(target, None, "ar", None, opts),
             "ngram" + suffix: SpecEngine(target, None, "ngram", "auto" if args.num_draft == "auto" else None, opts),
@@ -259,27 +261,31 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
                                                                    tree_width=args.tree_width)),
         })
-    wanted = set(args.modes.split(",")) | {"ar", "graph ar"}
+    wanted = set(args.modes.split(",")) | {args.reference, "graph ar"}
     if any(m.endswith(" graphs") for m in wanted):
-        wanted.add(GRAPHED)
+        wanted.add("ar graphs")
+    if any(m.endswith(" lean") for m in wanted):
+        wanted.add("ar lean")
     modes = [m for m in MODES if m in wanted]
     engines = {m: e for m, e in engines.items() if m in wanted}
     e2e = result["e2e"] = dict(
         target=target.identity.name, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
         block_size=draft.config.block_size, num_draft=args.num_draft or draft.config.block_size - 1,
         ngram_num_draft=options.ngram_num_draft, modes=modes, graph_capacity=args.graph_capacity, candidate_pool=args.pool, head_kernel=options.head_kernel,
-        temperature=0.0, batch=1, max_new_tokens=args.new_tokens, suites={k: len(v) for k, v in suites.items()},
+        temperature=0.0, batch=1, max_new_tokens=args.new_tokens, reference=args.reference, suites={k: len(v) for k, v in suites.items()},
         prompts_planned=len(plan), prompts_done=0, records=[])
     log(f"e2e: {target.identity.name} {e2e['dtype']} on {device}, B = {e2e['block_size']}, K = {e2e['num_draft']}, "
         f"{len(plan)} prompts planned ({e2e['suites']}), {args.new_tokens} new tokens")
     tick = time.perf_counter()
-    for engine in engines.values():  # warm-up: allocations, Triton compiles, graph captures (every K of a round)
+    longest = max(len(p) for _, p in plan) + args.new_tokens
+    for engine in engines.values():  # warm-up: allocations, Triton compiles, graph captures (every shape of a round)
+        engine.capture(longest + max(engine.block_size, engine.max_verify) + 1)
         engine.generate(plan[0][1], 2 * e2e["block_size"])
         engine.generate(plan[-1][1], 4 * e2e["block_size"])
     e2e["graph_failures"] = {m: e.graph_failures() for m, e in engines.items() if e.graph_failures()}
     log(f"e2e: engines warm in {time.perf_counter() - tick:.1f} s; graph capture failures: "
         f"{e2e['graph_failures'] or 'none'}")
-    stops = sorted(engines["ar"].stop_ids)
+    stops = sorted(next(iter(engines.values())).stop_ids)
     graph = GraphAR(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
     e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
     log(f"e2e: warm, graph ar {'compiled (CUDA graphs)' if graph.compiled else 'NOT compiled (static cache only)'} "
@@ -306,14 +312,15 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             rounds = stats.rounds if stats else len(tokens) - 1  # graph ar: one forward per token after the prefill
             runs[mode] = dict(tokens=tokens, seconds=seconds, rounds=rounds,
                               round_tokens=stats.round_tokens if stats else len(tokens) - 1)
-        reference = runs["ar"]["tokens"]
+        reference = runs[args.reference]["tokens"]
         for mode, run in runs.items():
             j = first_divergence(reference, run["tokens"])
             run["divergence"] = j
             if j is not None and j < len(reference):  # the target's top-2 margin where they part (near-tie?)
-                run["margin"] = round(top2_margin(engines["ar"], prompt + reference[:j]), 4)
-            if mode.endswith(" graphs"):  # lossless within the graph'd path: equal to our graph AR
-                run["divergence_graphs"] = first_divergence(runs[GRAPHED]["tokens"], run["tokens"])
+                run["margin"] = round(top2_margin(engines[args.reference], prompt + reference[:j]), 4)
+            if mode.endswith((" graphs", " lean")):  # lossless within the graph'd path: equal to our graph AR
+                baseline = "ar lean" if mode.endswith(" lean") else "ar graphs"
+                run["divergence_graphs"] = first_divergence(runs[baseline]["tokens"], run["tokens"])
             if mode in engines:
                 run["static_cache"] = gens[mode][-1].stats.static_cache
         e2e["records"].append(dict(suite=suite, prompt_tokens=len(prompt), runs=runs))
@@ -330,9 +337,11 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             e2e["summary"]["all"][mode].update({k: p[k] for k in (
                 "draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round", "mean_drafts_per_round",
                 "lookup_round_share", "fork_round_share", "fork_lookup_win_share", "tree_round_share",
-                "tree_side_win_share")})
+                "tree_side_win_share", "host_ms_per_round", "wall_ms_per_round")})
         elif gs:
-            e2e["summary"]["all"][mode]["ms_per_step"] = pooled(gs)["verify_ms_per_round"]
+            p = pooled(gs)
+            e2e["summary"]["all"][mode].update(ms_per_step=p["verify_ms_per_round"], host_ms_per_round=p["host_ms_per_round"],
+                                               wall_ms_per_round=p["wall_ms_per_round"])
     e2e["cost_ms"] = {mode: e.cost.as_dict() for mode, e in engines.items() if e.cost is not None}  # auto-K's tables
     try:  # did the graph ar recompile or break? (torch.compile's own counters)
         from torch._dynamo.utils import counters
@@ -367,9 +376,10 @@ def summarize(records: list[dict]) -> dict[str, dict]:
                          divergences=[dict(prompt=i, at=x["divergence"], margin=x.get("margin"))
                                       for i, x in enumerate(runs) if x["divergence"] is not None])
     for mode, m in out.items():
-        m["speedup_vs_ar"] = m["tokens_per_s"] / out["ar"]["tokens_per_s"]
+        m["speedup_vs_ar"] = m["tokens_per_s"] / out["ar"]["tokens_per_s"] if "ar" in out else None
         m["speedup_vs_graph_ar"] = m["tokens_per_s"] / out["graph ar"]["tokens_per_s"]
-        m["speedup_vs_our_graph_ar"] = m["tokens_per_s"] / out[GRAPHED]["tokens_per_s"] if GRAPHED in out else None
+        ours = next((out[g] for g in GRAPHED if g in out), None)
+        m["speedup_vs_our_graph_ar"] = m["tokens_per_s"] / ours["tokens_per_s"] if ours else None
     return out
 
 
@@ -607,18 +617,19 @@ def tables(result: dict) -> str:
                   f"{e2e['prompts_done']} of {e2e['prompts_planned']} prompts ({', '.join(suites)}); graph ar "
                   f"{'compiled' if e2e['graph_ar_compiled'] else 'NOT compiled'}", "",
                   f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × HF graph AR | × our graph AR "
-                  "| exact vs eager AR | exact vs our graph AR | divergences (at, top-2 margin) | "
-                  "draft / chain / verify ms per round |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| exact vs {e2e.get('reference', 'ar')} | exact vs our graph AR | divergences (at, top-2 margin) | "
+                  "device: draft / chain / verify ms per round | host: plan / launch / wait / commit ms | wall ms per round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, m in s["all"].items():
             by_suite = " / ".join(fmt(s[k][mode]["tau"]) if mode in s[k] else "–" for k in suites)
             div = "; ".join(f"{d['at']}, {d['margin']}" for d in m["divergences"][:4]) + (" …" if len(m["divergences"]) > 4 else "")
             phases = " / ".join(fmt(m.get(k)) for k in ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round")) \
                 if "verify_ms_per_round" in m else (f"step {fmt(m['ms_per_step'])}" if "ms_per_step" in m else "")
             exact_g = "–" if m.get("exact_vs_graphs") is None else f"{100 * m['exact_vs_graphs']:.0f} %"
+            host = " / ".join(fmt(v) for v in m["host_ms_per_round"].values()) if m.get("host_ms_per_round") else ""
             lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {by_suite} | {fmt(m['tokens_per_s'], 1)} | "
                          f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {fmt(m.get('speedup_vs_our_graph_ar'))} | "
-                         f"{100 * m['exact']:.0f} % | {exact_g} | {div} | {phases} |")
+                         f"{100 * m['exact']:.0f} % | {exact_g} | {div} | {phases} | {host} | {fmt(m.get('wall_ms_per_round'))} |")
     proj = result.get("projection")
     if proj and "rows" in proj:
         lines += ["", f"(iv) {proj['label']}: {proj['shapes']} shapes, {proj['dtype']}, KV prefix {proj['prefix']}, "
@@ -652,7 +663,9 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
     parser.add_argument("--tree-width", type=int, default=4, help="domino+tree: the draft's W best first tokens as W branches")
     parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (ar and graph ar always run)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (the reference and graph ar always run)")
+    parser.add_argument("--reference", default="ar", help="the mode every other is checked against token for token "
+                        "(ar: HF eager; `ar lean` spares eager's minutes in bf16, where no speculative mode is exact anyway)")
     parser.add_argument("--budget-seconds", type=float, default=540)
     parser.add_argument("--prefix", type=int, default=1000, help="(iv) KV rows before the timed forwards")
     parser.add_argument("--context-rows", type=int, default=4, help="(iv) target rows appended to the draft context per round")

@@ -182,6 +182,7 @@ class EngineParams:
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
     cuda_graphs: Literal["auto", "on", "off"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
+    lean_target: Literal["auto", "on", "off"]  # with static caches: the target on the lean decoder (fused Triton ops, its own KV cache); auto = on CUDA where it fits
 
 
 @dataclass(frozen=True)

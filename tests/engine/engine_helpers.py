@@ -27,8 +27,9 @@ def tiny_tokenizer(vocab: int):
 
 
 def tiny_target(arch: str = "llama", vocab: int = 96, dtype=torch.float32, seed: int = 0, layers: int = 4,
-                scale: float = 0.2, max_positions: int = 512) -> Target:
-    """Random tiny causal LM (`llama` tied embeddings | `qwen3` untied) wrapped as a Target."""
+                scale: float = 0.2, max_positions: int = 512, head_dim: int = 8) -> Target:
+    """Random tiny causal LM (`llama` tied embeddings | `qwen3` untied) wrapped as a Target; 4 query
+    heads of `head_dim` (hidden 32 = 4 x 8 in Llama)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -37,7 +38,7 @@ def tiny_target(arch: str = "llama", vocab: int = 96, dtype=torch.float32, seed:
     if arch == "llama":
         config = LlamaConfig(tie_word_embeddings=True, **common)
     else:
-        config = Qwen3Config(head_dim=8, tie_word_embeddings=False, **common)
+        config = Qwen3Config(head_dim=head_dim, tie_word_embeddings=False, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # larger than the default init: peaked, varied next-token distributions

@@ -40,6 +40,7 @@ def engine_options(cfg: EngineParams, linear: Optional[str] = None) -> EngineOpt
         static_cache=graphs,
         cuda_graphs=graphs,
         graph_capacity=cfg.graph_capacity,
+        lean_target=cfg.lean_target,
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -46,15 +46,31 @@ from dominospec.engine.sampling import first_mismatch
 @dataclass(frozen=True)
 class Tree:
     """The shape of a verify forward of T rows: depth [T] long (position = start + depth), and
-    visible [T, T] bool (visible[i, j]: row i attends to row j; always visible[i, i])."""
+    visible [T, T] bool (visible[i, j]: row i attends to row j; always visible[i, i]); `bits` [T]
+    int64 is `visible` as one bitmask a row (bit j: row j), for T <= 64 (None beyond)."""
 
     depth: torch.Tensor
     visible: torch.Tensor
+    bits: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def of(depth: torch.Tensor, visible: torch.Tensor) -> "Tree":
+        return Tree(depth, visible, visibility_bits(visible))
+
+
+def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
+    """visible [T, T] bool -> [T] int64, bit j of row i set iff visible[i, j] (bit 63 wraps to the
+    sign, as the kernels read it); None when T > 64. Tensor ops only."""
+    T = visible.shape[-1]
+    if T > 64:
+        return None
+    shifts = torch.arange(T, device=visible.device, dtype=torch.long)
+    return (visible.long() << shifts).sum(-1)
 
 
 def chain_tree(T: int, device: torch.device) -> Tree:
     """T rows of one chain: row i at depth i, seeing rows 0..i (the causal mask)."""
-    return Tree(torch.arange(T, device=device), torch.ones(T, T, dtype=torch.bool, device=device).tril())
+    return Tree.of(torch.arange(T, device=device), torch.ones(T, T, dtype=torch.bool, device=device).tril())
 
 
 def branch_tree(lengths: Sequence[int], device: torch.device) -> Tree:
@@ -77,7 +93,7 @@ def _branch_tree(lengths: tuple[int, ...], device: torch.device) -> Tree:
     rows = torch.arange(T)
     same = (branch[:, None] == branch[None, :]) & (rows[None, :] <= rows[:, None])
     visible = same | (rows[None, :] == 0)  # every row sees row 0
-    return Tree(depth.to(device), visible.to(device))
+    return Tree.of(depth.to(device), visible.to(device))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ from dominospec.engine.branches import draft_branches
 from dominospec.engine.clock import PhaseClock
 from dominospec.engine.fork import accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
+from dominospec.engine.lean_decoder import MAX_TREE_ROWS, LeanDecoder, lean_decoder, unsupported
+from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock, lean_draft
+from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
@@ -95,6 +98,7 @@ class EngineOptions:
     static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
     cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
     graph_capacity: int = 4096  # rows of the largest static caches (smaller buckets below it); a longer generation runs on the dynamic caches
+    lean_target: str = "off"  # with static_cache, the target on the lean decoder (engine.lean_decoder): "on", "off", or "auto" (on CUDA where it fits)
 
 
 class SpecEngine:
@@ -129,14 +133,18 @@ class SpecEngine:
         self.tree_width = 1  # the most draft branches a greedy round verifies
         if options.tree_width < 1:
             raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {options.tree_width}")
+        self.lean: Optional[LeanDecoder] = None  # the target on the lean decoder (static caches only)
+        self.lean_draft: Optional[LeanDraft] = None  # and the draft's backbone, with it
         self._fresh_acceptance()
         if mode == "ar":
+            self._use_lean()
             return
         if mode == "ngram":
             self.block_size = options.ngram_num_draft + 1
             self._set_num_draft(num_draft, options.ngram_num_draft)
             self.lookup_k_max = self.num_draft  # its drafts are the lookups
             self._fresh_acceptance()
+            self._use_lean()
             return
         if draft is None:
             raise UserError(f"mode {mode!r} needs a draft model")
@@ -168,6 +176,30 @@ class SpecEngine:
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():
             self.mask_embeds = self.embed_tokens(mask).to(self.draft_dtype)  # [B-1, H], the block's MASK slots
+        self._use_lean()
+
+    def _use_lean(self) -> None:
+        """`lean_target` with static caches: the target's forwards on the lean decoder (Triton ops on
+        CUDA, their torch references elsewhere). "on" insists (an error names what does not fit);
+        "auto" takes it on CUDA where the model is supported and the widest round fits a bitmask."""
+        choice = self.options.lean_target
+        if choice not in ("on", "off", "auto"):
+            raise UserError(f"engine.lean_target must be on, off or auto, got {choice!r}")
+        if choice == "off" or not self.options.static_cache:
+            return
+        rows = max(self.block_size, self.max_verify) + 1
+        problem = (unsupported(self.model) or (rows > MAX_TREE_ROWS and
+                                               f"its widest round verifies {rows} rows, over {MAX_TREE_ROWS}")
+                   or (self.options.packed and "the draft path's linears are packed for oneDNN (engine.linear)"))
+        if choice == "auto" and (problem or self.device.type != "cuda"):
+            return
+        if problem:
+            raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
+                            "(lower engine.tree_width / ngram_num_draft, or set lean_target: auto)")
+        triton = self.device.type == "cuda"
+        self.lean = lean_decoder(self.model, triton)
+        if self.draft is not None:
+            self.lean_draft = lean_draft(self.draft, triton)
 
     def _set_num_draft(self, num_draft: Union[int, str, None], default: int) -> None:
         limit = self.block_size
@@ -262,7 +294,7 @@ class SpecEngine:
         t_begin = self._now()
         state = _State(*self._runners(T + budget + max(self.block_size, self.max_verify) + 1),
                        PhaseClock(self.device, self._events))
-        stats.static_cache = isinstance(state.kv, StaticTargetKV)
+        stats.static_cache = isinstance(state.kv, (StaticTargetKV, LeanTargetKV))
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
         if drafting:
@@ -314,6 +346,37 @@ class SpecEngine:
             text = text[: cut_at_stop_string(text, stops)]
         return Generation(token_ids=tokens, text=text, finish_reason=reason, stats=stats)
 
+    @torch.inference_mode()
+    def capture(self, rows: int) -> None:
+        """Run every shape a generation of at most `rows` positions can replay once, on its static
+        runners: the verify of each T rows, the draft block of each S appended rows, the greedy
+        rollout of each K (and W). Their CUDA graphs are then captured (and the kernels compiled)
+        before the first request, not inside a timed one. A no-op on the dynamic caches."""
+        if not self.options.static_cache or rows > self.options.graph_capacity:
+            return
+        kv, drafter = self._runners(rows)
+        ids = torch.full((1, kv.max_rows), int(self.stop_ids and min(self.stop_ids) or 0), device=self.device)
+        _, features = kv.forward(ids[:, :2], keep=1)
+        for T in range(1, kv.max_rows + 1):
+            kv.forward(ids[:, :T], keep=T)
+            kv.crop(2)
+        if drafter is None:
+            return
+        drafter.extend(features[:, :1])
+        x_start = ids[0, :1]
+        for S in range(self.block_size + 1):
+            z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
+                                           self.block_size)
+            drafter.crop(1)
+        head = self.mode == "domino"
+        for K in range(1, self.num_draft + 1):
+            draft_chain(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, Sampling(), None, head,
+                        self.options.candidate_pool, self.options.confidence_cut > 0, kernels=self.head_kernels,
+                        graphs=self.head_graphs)
+            for W in range(2, self.tree_width + 1):
+                draft_branches(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, head,
+                               self.options.candidate_pool, W, kernels=self.head_kernels, graphs=self.head_graphs)
+
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
         """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
         `shared`: another engine's cost on the same target and draft, whose verify and draft
@@ -328,10 +391,12 @@ class SpecEngine:
     def _round(self, state, tokens, start, budget, sampling, generator, stats) -> tuple[int, Optional[str]]:
         """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
+        h0 = time.perf_counter()  # host marks: plan | launch | wait (the acceptance's read) | commit
         x_start = torch.tensor([tokens[-1]], device=self.device)
         clock = state.clock
         t0 = clock.mark(device=False)
         W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
+        h1 = time.perf_counter()
         chain, L = None, len(lookup)
         on_device = K > 0  # drafting rounds queue work the host does not wait for: timed by CUDA events
         if on_device:
@@ -356,7 +421,9 @@ class SpecEngine:
             parts = list(branches) + ([lookup_tokens] if L else [])
             logits, features = state.kv.forward(torch.cat([x_start, *parts])[None], keep=1 + W * K + L,
                                                 tree=branch_tree([K] * W + [L] * bool(L), self.device))
+            h2 = time.perf_counter()
             tree = accept_branches(parts, logits[0])
+            h3 = time.perf_counter()
             n, nxt, rows = tree.accepted, tree.next_token, tree.rows
             accepted = parts[tree.winner][:n]
             n_chain, n_draft = tree.per_branch[0], max(tree.per_branch[:W])
@@ -370,11 +437,13 @@ class SpecEngine:
             verified = lookup_tokens if L else branches[0] if K else x_start[:0]  # one chain: the draft's, or the lookup
             logits, features = state.kv.forward(torch.cat([x_start, verified])[None], keep=K + L + 1)
             logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
+            h2 = time.perf_counter()
             if sampling.greedy:
                 n, nxt = accept_greedy(verified, logits)
             else:
                 q = self._draft_probs(chain, K, logits.shape[-1]) if K else self._draft_probs(None, L, logits.shape[-1], verified)
                 n, nxt = accept_sampled(verified, q, sampling.probs(logits), generator)
+            h3 = time.perf_counter()
             accepted, rows = verified[:n], list(range(n + 1))
             stats.lookup_rounds += L > 0 and self.mode != "ngram"
             n_chain = n_draft = n_lookup = n
@@ -400,6 +469,9 @@ class SpecEngine:
         clock.add("verify", t2, t3)
         if K + L > 0:
             clock.add("draft_round", t0, t3)
+        h4 = time.perf_counter()
+        for phase, a, b in (("plan", h0, h1), ("launch", h1, h2), ("wait", h2, h3), ("commit", h3, h4)):
+            stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)
         return m, reason
 
     def _plan(self, state, room: int, greedy: bool) -> tuple[int, int, list[int]]:
@@ -479,10 +551,16 @@ class SpecEngine:
         if opts.static_cache and rows <= opts.graph_capacity:
             capacity = next(c for c in static_buckets(opts.graph_capacity, MIN_BUCKET) if c >= rows)
             if capacity not in self._statics:
-                kv = StaticTargetKV(self.model, self.layer_ids, capacity,
-                                    max(self.block_size, self.max_verify) + 1, graphs=opts.cuda_graphs)
+                rows = max(self.block_size, self.max_verify) + 1
+                if self.lean is not None:
+                    kv = LeanTargetKV(self.lean, self.layer_ids, capacity, rows, graphs=opts.cuda_graphs)
+                else:
+                    kv = StaticTargetKV(self.model, self.layer_ids, capacity, rows, graphs=opts.cuda_graphs)
                 drafter = None
-                if self.draft is not None:
+                if self.lean_draft is not None:
+                    drafter = LeanDraftBlock(self.lean_draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,
+                                             capacity, graphs=opts.cuda_graphs)
+                elif self.draft is not None:
                     drafter = StaticDraftBlock(self.draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,
                                                capacity, graphs=opts.cuda_graphs)
                 self._statics[capacity] = (kv, drafter)

@@ -38,6 +38,10 @@ class GenerationStats:
     verify_s: float = 0.0  # target forwards after the prefill, acceptance, KV crop
     draft_round_s: float = 0.0  # whole rounds that verified at least one draft (auto-K's plain steps left out)
     total_s: float = 0.0
+    # host seconds of the rounds by phase: plan (K, lookups), launch (draft, rollout and verify queued),
+    # wait (the acceptance's read of the verify: the host idles while the device finishes), commit
+    # (tokens, KV select / crop, features, auto-K's learning); the device idles in plan and commit
+    host_s: dict = field(default_factory=dict)
     target_kv_length: int = 0  # at the end: prompt + new_tokens - 1
     draft_context_length: int = 0  # at the end: the same, in draft modes
     static_cache: bool = False  # ran on the static caches (CUDA graphs on a GPU), not the dynamic ones

@@ -100,6 +100,9 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "tree_side_win_share": (sum(s.tree_side_wins for s in stats) / trees  # of those, a guess after the best won
                                 if (trees := sum(s.tree_rounds for s in stats)) else None),
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
+        "host_ms_per_round": {phase: 1000 * sum(s.host_s.get(phase, 0.0) for s in stats) / rounds
+                              for phase in ("plan", "launch", "wait", "commit")} if rounds else None,
+        "wall_ms_per_round": 1000 * (decode_s / rounds) if rounds else None,  # prefill left out
     }
 
 

@@ -1,0 +1,136 @@
+"""What a verify of T rows costs against an AR step, end to end, on each target runner.
+
+For each runner (`hf static`: transformers' forward on a StaticCache with an explicit mask, as
+engine.target_kv runs it; `lean`: engine.lean_decoder's fused forward, engine.lean_kv), both as
+CUDA graphs on a GPU: prefill `--context` tokens, then time, for T in `--rows`, what a round's
+verify costs the host from launch to knowing the answer: the ids copied in, a tree of T rows
+(four branches sharing row 0, as the engine's draft trees; T = 1 is the AR step), the replay, the
+argmax read back to the host (the round's one synchronisation), and the crop back. Median of
+`--reps` calls after warm-ups; also the device time of the replay alone (CUDA events).
+
+    python benchmarks/verify_rows.py --gguf-dir DIR [--dtype bfloat16] [--context 512] \
+        [--rows 1,2,4,8,16,32,48,64] [--reps 50] --out verify_rows.json
+    python benchmarks/verify_rows.py --smoke --out /tmp/verify_rows_smoke.json   # CPU, a tiny random model
+
+Prints a markdown table last: ms per verify, and the same in AR steps of that runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def tree_lengths(T: int) -> list[int]:
+    """T rows -> branch lengths of a 4-branch tree sharing row 0 (a chain for T <= 2)."""
+    drafts = T - 1
+    if drafts < 2:
+        return [drafts] if drafts else []
+    width = min(4, drafts)
+    return [drafts // width + (b < drafts % width) for b in range(width)]
+
+
+def time_runner(kv, vocab: int, context: int, rows: list[int], reps: int, cuda: bool) -> dict:
+    """A target runner -> {T: {wall_ms, device_ms}} of a verify of T tree rows at `context` cached rows."""
+    from dominospec.engine.fork import branch_tree
+
+    device = kv.keys.device if hasattr(kv, "keys") else next(kv.model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    kv.reset()
+    kv.forward(torch.randint(3, vocab, (1, context), generator=g).to(device), keep=1)
+    out = {}
+    for T in rows:
+        ids = torch.randint(3, vocab, (1, T), generator=g).to(device)
+        lengths = tree_lengths(T)
+        tree = branch_tree(lengths, device) if len(lengths) > 1 else None
+        walls, device_ms = [], []
+        for i in range(reps + 5):
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            tick = time.perf_counter()
+            logits, _ = kv.forward(ids, keep=T, tree=tree)
+            if cuda:
+                b.record()
+            logits[0].argmax(-1).tolist()  # the round's one read
+            wall = time.perf_counter() - tick
+            kv.crop(context)
+            if i >= 5:
+                walls.append(1000 * wall)
+                if cuda:
+                    device_ms.append(a.elapsed_time(b))
+        out[T] = dict(wall_ms=sorted(walls)[len(walls) // 2],
+                      device_ms=sorted(device_ms)[len(device_ms) // 2] if device_ms else None)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny random Llama")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--gguf-dir")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,48,64")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    cuda = torch.cuda.is_available() and not args.smoke
+    from dominospec.engine.lean_decoder import lean_decoder
+    from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.engine.target_kv import StaticTargetKV
+
+    if args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+        args.context, args.reps, rows = 48, 3, [r for r in rows if r <= 16]
+        name = "tiny random llama"
+    else:
+        import dataclasses
+
+        from dominospec.config import load_params
+        from dominospec.target import load_target
+
+        params = load_params(args.params)
+        target = load_target(dataclasses.replace(params.target, model=args.gguf_dir, device="auto", dtype=args.dtype))
+        model, name = target.model, target.identity.name
+    vocab = model.config.vocab_size
+    capacity = args.context + max(rows) + 8
+    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv),
+                  device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+                  torch=torch.__version__, model=name, dtype=args.dtype if not args.smoke else "float32",
+                  context=args.context, runners={})
+    with torch.inference_mode():
+        runners = {"hf static": lambda: StaticTargetKV(model, [], capacity, max(rows), graphs=cuda),
+                   "lean": lambda: LeanTargetKV(lean_decoder(model, triton=cuda), [], capacity, max(rows), graphs=cuda)}
+        for label, make in runners.items():
+            result["runners"][label] = time_runner(make(), vocab, args.context, rows, args.reps, cuda)
+            print(f"{label}: {json.dumps(result['runners'][label])}", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{result['device']}, torch {result['torch']}, {name} {result['dtype']}, context {args.context}, "
+          f"{result['date']}\n")
+    print("| runner | " + " | ".join(f"T = {T}" for T in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for label, by_rows in result["runners"].items():
+        step = by_rows[rows[0]]["wall_ms"]
+        print(f"| {label}: wall ms (AR steps) | " + " | ".join(
+            f"{v['wall_ms']:.3f} ({v['wall_ms'] / step:.2f})" for v in by_rows.values()) + " |")
+        if cuda:
+            print(f"| {label}: device ms | " + " | ".join(f"{v['device_ms']:.3f}" for v in by_rows.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()

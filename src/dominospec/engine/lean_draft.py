@@ -1,0 +1,130 @@
+"""The draft's side of a round on the lean decoder's fused ops (engine.lean_decoder), beside engine.draft_block.
+
+`LeanDraftBlock` has `StaticDraftBlock`'s interface: `block(features [1, S, n*H] or None, x_start
+[1], start, K) -> (z [K, H], base logits u [K, V])`, `extend(features)`, `crop(n)`, `reset()`,
+`length`. The draft's layers are pre-norm Qwen3 layers whose keys and values come from two
+sources (models.domino): committed context rows (target features -> fc -> hidden_norm -> k/v
+projections, no queries) and the block itself. Here both live in one cache, [layers, Hkv,
+capacity, D] each:
+
+    context rows   0 .. start-1        written by an append (S new rows at start-S .. start-1)
+    block rows     start .. start+B-1  written by the block's own forward, and overwritten by the
+                                       next append (the block's K/V are never committed)
+
+so the block attends with `tree_attention` over rows < start plus its own B rows, each seeing
+all B (a bitmask of B ones). "Append S rows + block" is one CUDA graph per S <= B, as in the static
+runner; more rows (the prompt) are appended eagerly first. A context row's queries are computed
+and dropped (one matmul row of the fused q/k/v projection, cheaper than a second weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from dominospec.engine.graphs import FixedRows, ShapeGraphs
+from dominospec.engine.lean_decoder import DecoderOps, LeanStack, pack_layer
+from dominospec.models.domino import DFlashDraftModel
+from dominospec.models.domino.modeling_domino import rope_cos_sin
+
+Output = tuple[torch.Tensor, torch.Tensor]
+
+
+class LeanDraft:
+    """A Domino / DFlash draft's backbone on the fused ops: context append and block forward."""
+
+    def __init__(self, draft: DFlashDraftModel, ops: DecoderOps):
+        config = draft.config
+        self.config, self.fc, self.hidden_norm = config, draft.fc.weight, draft.hidden_norm.weight
+        self.stack = LeanStack(ops, [pack_layer(layer) for layer in draft.layers], draft.norm.weight,
+                               int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim),
+                               float(config.rms_norm_eps))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, D], the draft's own rotary tables."""
+        cos, sin = rope_cos_sin(positions[None], self.config.head_dim, self.config.rope_theta, dtype)
+        return cos[0, 0], sin[0, 0]
+
+    def append(self, features: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Context rows [S, n*H] -> their K/V at cache rows (and positions) slot..slot+S-1 of every layer."""
+        S, stack = features.shape[0], self.stack
+        hidden, _ = stack.ops.rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, stack.eps)
+        cos, sin = self.rope(slot + torch.arange(S, device=slot.device), hidden.dtype)
+        for i, layer in enumerate(stack.layers):
+            stack.ops.rope_cache(F.linear(hidden, layer.qkv), cos, sin, keys[i], values[i], slot, stack.Hq, stack.Hkv,
+                                 layer.q_norm, layer.k_norm, stack.eps)
+
+    def block(self, embeds: torch.Tensor, slot: torch.Tensor, bits: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, workspace: Any = None) -> torch.Tensor:
+        """Block embeddings [B, H] at positions slot..slot+B-1 -> z [B, H] (the final norm's output)."""
+        cos, sin = self.rope(slot + torch.arange(embeds.shape[0], device=slot.device), embeds.dtype)
+        z, _ = self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace)
+        return z
+
+
+def lean_draft(draft: DFlashDraftModel, triton: bool) -> LeanDraft:
+    """The draft's lean backbone (built once per draft module and kind of ops)."""
+    cached = getattr(draft, "_dominospec_lean", {})
+    kind = "triton" if triton else "reference"
+    if kind not in cached:
+        cached[kind] = LeanDraft(draft, DecoderOps.triton() if triton else DecoderOps.reference())
+        draft._dominospec_lean = cached
+    return cached[kind]
+
+
+class LeanDraftBlock(FixedRows):
+    """Draft forwards on the lean backbone's cache; "append S rows + block" replays a CUDA graph per S <= B."""
+
+    what = "draft context"
+
+    def __init__(self, lean: LeanDraft, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int,
+                 graphs: bool):
+        super().__init__(capacity)
+        self.lean, self.lm_head, self.embed_tokens = lean, lm_head, embed_tokens
+        self.mask_embeds = mask_embeds  # [B-1, H], the draft path's dtype
+        self.B = mask_embeds.shape[0] + 1
+        device, dtype = mask_embeds.device, mask_embeds.dtype
+        self.keys, self.values = lean.stack.new_cache(capacity + self.B, dtype, device)  # + the block's own rows
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # the block's first row
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.bits = torch.full((self.B,), (1 << self.B) - 1, dtype=torch.long, device=device)  # each slot sees all B
+        self.workspace = lean.stack.workspace_for(self.B, device)  # the block attention's scratch
+        feature_dim = lean.fc.shape[1]
+        self.features = {S: torch.zeros(S, feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
+        self.graphs = ShapeGraphs(self._step, enabled=graphs)
+
+    def extend(self, features: torch.Tensor) -> None:
+        """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
+        S = features.shape[1]
+        self.check_room(S)
+        self.start.fill_(self.length)
+        self.lean.append(features[0].to(self.mask_embeds.dtype), self.start, self.keys, self.values)
+        self.length += S
+
+    def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
+        S = 0 if features is None else features.shape[1]
+        if S > self.B:
+            self.extend(features)
+            S = 0
+        if self.length + S != start:
+            raise ValueError(f"draft context holds {self.length} + {S} rows, the block starts at {start}")
+        self.check_room(S)
+        self.start.fill_(start)
+        self.x_start.copy_(x_start)
+        if S:
+            self.features[S].copy_(features[0])
+        z, base_logits = self.graphs.run(S)  # [B, H], [B, V]: every slot, one shape
+        self.length += S
+        return z[:K], base_logits[:K]
+
+    def _step(self, S: int):
+        """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
+        def step() -> Output:
+            if S:
+                self.lean.append(self.features[S], self.start - S, self.keys, self.values)
+            embeds = torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])  # [B, H]
+            z = self.lean.block(embeds, self.start, self.bits, self.keys, self.values, self.workspace)
+            return z, self.lm_head(z)
+        return step

@@ -1,0 +1,169 @@
+"""The lean decoder (engine.lean_decoder, engine.lean_kv) computes what transformers' forward computes.
+
+On CPU the lean decoder runs its ops' pure-torch references (the Triton kernels are checked against
+the same references in tests/kernels/test_decoder_kernels.py, and one tiny forward on the kernels
+themselves runs here under the interpreter). In fp64 the lean forward and transformers' differ only
+by float rounding, so the runners must agree to 1e-9 through prefill, verify, tree, select and crop,
+and whole generations must match the HF static runner's token for token, round for round.
+Run: python -m pytest tests/engine/test_lean_decoder.py -q
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import random_prompts, repetitive_prompts, tiny_draft, tiny_target
+
+from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine.fork import branch_tree
+from dominospec.engine.lean_decoder import LeanDecoder, DecoderOps, lean_decoder, unsupported
+from dominospec.engine.draft_block import DynamicDraftBlock
+from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
+from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV
+from dominospec.errors import UserError
+
+STATIC = EngineOptions(static_cache=True, graph_capacity=128)
+LEAN = dataclasses.replace(STATIC, lean_target="on")
+
+
+def _steps(vocab: int):
+    """(ids [1, T], keep, tree lengths or None, crop to or None, select rows or None): a generation's forwards."""
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, vocab - 1, (1, n), generator=g)  # noqa: E731
+    return [(ids(11), 1, None, None, None),  # prompt: eager causal chain
+            (ids(5), 5, None, 13, None),  # verify a chain of 4, keep x_start + 1 accepted
+            (ids(1), 1, None, None, None),  # AR step
+            (ids(1 + 3 + 2), 6, (3, 2), None, [0, 4, 5]),  # a tree of two branches; the second wins 2 tokens
+            (ids(4), 4, None, 15, None),  # rows after a select and a crop
+            (ids(3), 2, None, None, None)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lean_runner_agrees_with_transformers_through_prefill_tree_select_and_crop(arch):
+    target = tiny_target(arch, vocab=32, dtype=torch.float64)
+    layers = [0, target.num_layers - 2]
+    dynamic = DynamicTargetKV(target.model, layers)
+    lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), layers, capacity=64, max_rows=8,
+                        graphs=False)
+    with torch.inference_mode():
+        for ids, keep, lengths, crop_to, rows in _steps(32):
+            tree = branch_tree(lengths, "cpu") if lengths else None
+            a_logits, a_features = dynamic.forward(ids, keep, tree=tree)
+            b_logits, b_features = lean.forward(ids, keep, tree=tree)
+            assert b_logits.shape == a_logits.shape == (1, keep, 32)
+            torch.testing.assert_close(b_logits, a_logits, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_features, a_features, rtol=1e-9, atol=1e-9)
+            assert lean.length == dynamic.length
+            if rows is not None:
+                dynamic.select(rows)
+                lean.select(rows)
+                dynamic.crop(dynamic.start + len(rows))
+                lean.crop(lean.first + len(rows))
+            if crop_to is not None:
+                dynamic.crop(crop_to)
+                lean.crop(crop_to)
+
+
+def test_lean_draft_block_agrees_with_the_draft_model_through_extend_block_and_crop(target, draft):
+    embed, lm_head = target.embed_tokens, target.lm_head
+    B, F = draft.config.block_size, draft.fc.weight.shape[1]
+    mask = torch.full((B - 1,), int(draft.config.mask_token_id))
+    with torch.inference_mode():
+        mask_embeds = embed(mask)
+        dynamic = DynamicDraftBlock(draft, lm_head, embed, mask_embeds)
+        lean = LeanDraftBlock(LeanDraft(draft, DecoderOps.reference()), lm_head, embed, mask_embeds, capacity=64,
+                              graphs=False)
+        g = torch.Generator().manual_seed(1)
+        rows = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
+        prompt = rows(12)
+        for runner in (dynamic, lean):
+            runner.extend(prompt)
+        start = 12
+        for S, K, crop_to in [(0, B - 1, None), (3, 4, None), (B, B, None), (B + 5, 2, None), (1, 1, 20)]:
+            features = rows(S) if S else None
+            x_start = torch.randint(3, 7, (1,), generator=g)
+            a_z, a_u = dynamic.block(features, x_start, start + S, K)
+            b_z, b_u = lean.block(features, x_start, start + S, K)
+            assert b_z.shape == a_z.shape == (K, draft.config.hidden_size)
+            torch.testing.assert_close(b_z, a_z, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_u, a_u, rtol=1e-9, atol=1e-9)
+            assert lean.length == dynamic.length == start + S
+            start += S
+            if crop_to is not None:
+                dynamic.crop(crop_to)
+                lean.crop(crop_to)
+                start = crop_to
+        with pytest.raises(ValueError, match="block starts at"):
+            lean.block(None, x_start, start + 1, 1)
+
+
+def test_a_wrong_visibility_bit_changes_the_logits():
+    """The tree's bitmask is what the lean verify reads: a row that sees another branch differs."""
+    target = tiny_target("llama", vocab=32, dtype=torch.float64)
+    lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), [], capacity=32, max_rows=8, graphs=False)
+    ids = torch.randint(3, 30, (1, 6), generator=torch.Generator().manual_seed(2))
+    tree = branch_tree((3, 2), "cpu")
+    leak = torch.tensor([0, 0, 0, 1, 1, 1]) << 2  # branch 1's rows (3..5) also see row 2, branch 0's second
+    wrong = dataclasses.replace(tree, bits=tree.bits | leak)
+    with torch.inference_mode():
+        lean.forward(ids[:, :3], 1)
+        right, _ = lean.forward(ids, 6, tree=tree)
+        right = right.clone()
+        lean.crop(3)
+        bad, _ = lean.forward(ids, 6, tree=wrong)
+    assert torch.equal(right[0, :3], bad[0, :3])  # branch 0 and row 0: unchanged
+    assert not torch.allclose(right[0, 3:], bad[0, 3:])  # branch 1's rows now see branch 0: changed
+
+
+def test_the_hf_model_still_computes_the_same_after_packing():
+    """Packing rebinds q/k/v and gate/up as views of the fused matrices: the HF forward is unchanged."""
+    target = tiny_target("qwen3", vocab=32, dtype=torch.float64, seed=4)
+    ids = torch.randint(3, 30, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        before = target.model(input_ids=ids).logits.clone()
+        decoder = lean_decoder(target.model, triton=False)
+        after = target.model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    assert lean_decoder(target.model, triton=False) is decoder  # built once per model
+    attn = target.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == decoder.layers[0].qkv[attn.q_proj.weight.shape[0]:].data_ptr()
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("ar", {}),
+    ("domino", {}),
+    ("domino", dict(ngram_assist=True, ngram_fork=True, tree_width=3)),
+    ("dflash", dict(tree_width=2)),
+    ("ngram", {}),
+])
+def test_engine_on_the_lean_decoder_generates_what_the_static_runner_does(mode, options):
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2, max_positions=128)
+    draft = tiny_draft(target, block_size=6, seed=8) if mode in ("domino", "dflash") else None
+    plain = SpecEngine(target, draft, mode, None, dataclasses.replace(STATIC, **options))
+    lean = SpecEngine(target, draft, mode, None, dataclasses.replace(LEAN, **options))
+    assert lean.lean is not None and plain.lean is None
+    lean.capture(64)  # every shape run once beforehand (graphs on a GPU): generation is unchanged by it
+    for prompt in repetitive_prompts(4, 8, seed=3) + random_prompts(4, 8, seed=2):
+        a, b = plain.generate(prompt, 20), lean.generate(prompt, 20)
+        assert b.token_ids == a.token_ids, prompt
+        assert b.stats.round_tokens == a.stats.round_tokens and b.stats.rounds == a.stats.rounds
+        assert b.stats.static_cache
+
+
+def test_lean_target_auto_off_and_refusals():
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, max_positions=128)
+    draft = tiny_draft(target, block_size=6, seed=8)
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).lean is None  # CPU
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, static_cache=False)).lean is None
+    with pytest.raises(UserError, match="widest round verifies 71 rows"):
+        SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=14))  # 14 x 5 + 1 rows
+    with pytest.raises(UserError, match="lean_target must be on, off or auto"):
+        SpecEngine(target, None, "ar", None, dataclasses.replace(LEAN, lean_target="yes"))
+    target.model.config.hidden_act = "gelu"
+    try:
+        assert unsupported(target.model) == "hidden_act 'gelu'"
+        with pytest.raises(UserError, match="hidden_act 'gelu'"):
+            SpecEngine(target, None, "ar", None, LEAN)
+    finally:
+        target.model.config.hidden_act = "silu"
