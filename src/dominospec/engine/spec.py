@@ -377,6 +377,13 @@ class SpecEngine:
                 draft_branches(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, head,
                                self.options.candidate_pool, W, kernels=self.head_kernels, graphs=self.head_graphs)
 
+    def capture_all(self) -> None:
+        """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
+        (a server's start-up). A no-op without graphs."""
+        if self.options.static_cache and self.options.cuda_graphs:
+            for capacity in static_buckets(self.options.graph_capacity, MIN_BUCKET):
+                self.capture(capacity)
+
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
         """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
         `shared`: another engine's cost on the same target and draft, whose verify and draft

@@ -120,6 +120,7 @@ def load_service(params: Params) -> "Service":
     linear = prepare_target(target, params.engine)  # the same kernels for every request, spec or not
     engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None,
                         engine_options(params.engine, linear))
+    engine.capture_all()  # on CUDA graphs: every shape captured before the first request
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
     return Service(
