@@ -175,6 +175,19 @@ class LeanDecoder:
         self.embed = model.get_input_embeddings().weight  # [V, H]
         self.lm_head = model.get_output_embeddings().weight  # [V, H]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.cos = self.sin = torch.empty(0, D, dtype=self.dtype, device=self.device)  # rotary tables [positions, D]
+        self.ensure_positions(int(config.max_position_embeddings))
+
+    def ensure_positions(self, n: int) -> None:
+        """Rotary tables for positions 0..n-1, computed once by the model's own `rotary_emb` (elementwise
+        in the position, so a row of the table is what a forward at that position computes): a forward
+        then gathers its rows, two launches instead of the tables' seven."""
+        if self.cos.shape[0] >= n:
+            return
+        probe = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            cos, sin = self.rotary(probe, torch.arange(n, device=self.device)[None])  # [1, n, D]
+        self.cos, self.sin = cos[0], sin[0]
 
     def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (keys, values), each [layers, Hkv, capacity, D], zeros."""
@@ -191,8 +204,9 @@ class LeanDecoder:
         chain at host position `chain_start` (== slot), any T, eager (a prompt)."""
         T = ids.shape[0]
         h = F.embedding(ids, self.embed)  # [T, H]
-        cos, sin = self.rotary(h[None], (slot + depth)[None])  # [1, T, D] each, in h's dtype
-        x, features = self.stack.run(h, cos[0], sin[0], keys, values, slot, visible, taps, chain_start, workspace)
+        positions = slot + depth  # [T], < the tables' rows (the engine stops at max_position_embeddings)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # [T, D] each
+        x, features = self.stack.run(h, cos, sin, keys, values, slot, visible, taps, chain_start, workspace)
         return F.linear(x[T - keep:], self.lm_head), features  # [keep, V]
 
 

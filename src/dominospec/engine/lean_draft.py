@@ -41,11 +41,22 @@ class LeanDraft:
         self.stack = LeanStack(ops, [pack_layer(layer) for layer in draft.layers], draft.norm.weight,
                                int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim),
                                float(config.rms_norm_eps))
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [positions, D]
+
+    def ensure_positions(self, n: int, dtype: torch.dtype) -> None:
+        """The draft's rotary tables for positions 0..n-1 in `dtype` (models.domino's `rope_cos_sin`,
+        elementwise in the position: a row is what a forward at that position computes)."""
+        if dtype in self.tables and self.tables[dtype][0].shape[0] >= n:
+            return
+        positions = torch.arange(n, device=self.fc.device)[None]
+        with torch.inference_mode():
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)  # [1, 1, n, D]
+        self.tables[dtype] = (cos[0, 0], sin[0, 0])
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin) [T, D], the draft's own rotary tables."""
-        cos, sin = rope_cos_sin(positions[None], self.config.head_dim, self.config.rope_theta, dtype)
-        return cos[0, 0], sin[0, 0]
+        """positions [T] (within `ensure_positions`) -> (cos, sin) [T, D], two gathers."""
+        cos, sin = self.tables[dtype]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def append(self, features: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Context rows [S, n*H] -> their K/V at cache rows (and positions) slot..slot+S-1 of every layer."""
@@ -87,6 +98,7 @@ class LeanDraftBlock(FixedRows):
         self.B = mask_embeds.shape[0] + 1
         device, dtype = mask_embeds.device, mask_embeds.dtype
         self.keys, self.values = lean.stack.new_cache(capacity + self.B, dtype, device)  # + the block's own rows
+        lean.ensure_positions(capacity + self.B, dtype)
         self.start = torch.zeros((), dtype=torch.long, device=device)  # the block's first row
         self.x_start = torch.zeros(1, dtype=torch.long, device=device)
         self.bits = torch.full((self.B,), (1 << self.B) - 1, dtype=torch.long, device=device)  # each slot sees all B

@@ -39,6 +39,7 @@ class LeanTargetKV(FixedRows):
             raise ValueError(f"the lean decoder verifies at most {MAX_TREE_ROWS} rows a forward, asked for {max_rows}")
         super().__init__(capacity)
         self.decoder, self.layer_ids, self.max_rows = decoder, list(layer_ids), max_rows
+        decoder.ensure_positions(capacity)
         device = decoder.device
         self.keys, self.values = decoder.new_cache(capacity)  # [layers, Hkv, capacity, D] each
         self.start = torch.zeros((), dtype=torch.long, device=device)  # cache row of this forward's row 0
