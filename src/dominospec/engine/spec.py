@@ -99,7 +99,6 @@ class EngineOptions:
     cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
     graph_capacity: int = 4096  # rows of the largest static caches (smaller buckets below it); a longer generation runs on the dynamic caches
     lean_target: str = "off"  # with static_cache, the target on the lean decoder (engine.lean_decoder): "on", "off", or "auto" (on CUDA where it fits)
-    early_draft: Optional[bool] = None  # draft modes: queue the next round's draft block as soon as a round's tokens are known; None = on CUDA
 
 
 class SpecEngine:
@@ -134,7 +133,6 @@ class SpecEngine:
         self.tree_width = 1  # the most draft branches a greedy round verifies
         if options.tree_width < 1:
             raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {options.tree_width}")
-        self.early_draft = False  # queue the next round's draft block at the end of a round (set below for draft modes)
         self.lean: Optional[LeanDecoder] = None  # the target on the lean decoder (static caches only)
         self.lean_draft: Optional[LeanDraft] = None  # and the draft's backbone, with it
         self._fresh_acceptance()
@@ -178,8 +176,6 @@ class SpecEngine:
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():
             self.mask_embeds = self.embed_tokens(mask).to(self.draft_dtype)  # [B-1, H], the block's MASK slots
-        early = options.early_draft
-        self.early_draft = self.device.type == "cuda" if early is None else bool(early)
         self._use_lean()
 
     def _use_lean(self) -> None:
@@ -403,8 +399,7 @@ class SpecEngine:
         """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         h0 = time.perf_counter()  # host marks: plan | launch | wait (the acceptance's read) | commit
-        early, state.early = state.early, None  # this round's draft block, queued by the last round (early_draft)
-        x_start = early[0] if early is not None else self._to_device([tokens[-1]])
+        x_start = torch.tensor([tokens[-1]], device=self.device)
         clock = state.clock
         t0 = clock.mark(device=False)
         W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
@@ -413,10 +408,8 @@ class SpecEngine:
         on_device = K > 0  # drafting rounds queue work the host does not wait for: timed by CUDA events
         if on_device:
             t0 = clock.mark()  # (choosing K, on the host, is left out of their phases)
-        lookup_tokens = self._to_device(lookup) if L else None
-        if K > 0 and early is not None:
-            z, base_logits = early[1][:K], early[2][:K]
-        elif K > 0:
+        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device) if L else None  # now: the GPU is idle
+        if K > 0:
             z, base_logits = self._draft_forward(state, x_start, start, K)
         t1 = clock.mark(on_device)
         if K > 0 and W > 1:
@@ -470,11 +463,6 @@ class SpecEngine:
         if features is not None:
             state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
         t3 = clock.mark(on_device)
-        if reason is None and self.early_draft:  # the device drafts the next round while the host books this one
-            x_next = self._to_device([tokens[-1]])
-            ta = clock.mark()
-            state.early = (x_next, *self._draft_forward(state, x_next, start + m, self.num_draft))
-            clock.add("draft", ta, clock.mark())
 
         # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
         if self.mode == "ngram":
@@ -542,15 +530,6 @@ class SpecEngine:
     def _draft_forward(self, state, x_start, start, K) -> tuple[torch.Tensor, torch.Tensor]:
         """Pending features appended, block forward -> z [K, H], base logits u [K, V] (draft dtype)."""
         return state.drafter.block(self._take_pending(state), x_start, start, K)
-
-    def _to_device(self, ids: list[int]) -> torch.Tensor:
-        """Token ids -> a long tensor on the engine's device, without waiting for its queued work: on
-        CUDA through pinned memory, asynchronously (a copy from pageable memory first synchronises
-        the stream, which would stall the host behind the draft block it has just queued)."""
-        host = torch.tensor(ids, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _cut(self, chain: DraftChain) -> int:
         """A chain of K drafts -> how many to verify: up to where the product of their draft
@@ -674,6 +653,5 @@ class _State:
     def __init__(self, kv, drafter, clock: PhaseClock):
         self.kv, self.drafter = kv, drafter  # engine.target_kv / engine.draft_block runners
         self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
-        self.early: Optional[tuple] = None  # (x_start [1], z [K_max, H], u [K_max, V]): the next round's block, queued
         self.index: Optional[NgramIndex] = None
         self.clock = clock  # the rounds' phase times (engine.clock)
