@@ -113,3 +113,41 @@ def streaming_cost(k_max: int, step_ms: float = 10.0) -> "RoundCost":
 
     return RoundCost(verify=[step_ms] * (k_max + 1), draft=step_ms / 5, rollout_step=step_ms / 50,
                      branch_step=step_ms / 40)
+
+
+def draft_runners_agree(target: Target, draft: DFlashDraftModel, make_runner) -> None:
+    """A draft-block runner (`make_runner(mask_embeds)`) against the draft model's own cache
+    (DynamicDraftBlock), fp64: z and base logits to 1e-9 through extend, blocks of S = 0..B+5 new
+    rows, a crop; lengths kept; a block at the wrong start refused."""
+    import pytest
+
+    from dominospec.engine.draft_block import DynamicDraftBlock
+
+    embed, lm_head = target.embed_tokens, target.lm_head
+    B, F = draft.config.block_size, draft.fc.weight.shape[1]
+    mask = torch.full((B - 1,), int(draft.config.mask_token_id))
+    with torch.inference_mode():
+        mask_embeds = embed(mask)
+        dynamic, runner = DynamicDraftBlock(draft, lm_head, embed, mask_embeds), make_runner(mask_embeds)
+        g = torch.Generator().manual_seed(1)
+        rows = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
+        prompt = rows(12)
+        for each in (dynamic, runner):
+            each.extend(prompt)
+        start = 12
+        for S, K, crop_to in [(0, B - 1, None), (3, 4, None), (B, B, None), (B + 5, 2, None), (1, 1, 20)]:
+            features = rows(S) if S else None
+            x_start = torch.randint(3, 7, (1,), generator=g)
+            a_z, a_u = dynamic.block(features, x_start, start + S, K)
+            b_z, b_u = runner.block(features, x_start, start + S, K)
+            assert b_z.shape == a_z.shape == (K, draft.config.hidden_size)
+            torch.testing.assert_close(b_z, a_z, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_u, a_u, rtol=1e-9, atol=1e-9)
+            assert runner.length == dynamic.length == start + S
+            start += S
+            if crop_to is not None:
+                dynamic.crop(crop_to)
+                runner.crop(crop_to)
+                start = crop_to
+        with pytest.raises(ValueError, match="block starts at"):
+            runner.block(None, x_start, start + 1, 1)

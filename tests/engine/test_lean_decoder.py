@@ -8,16 +8,16 @@ and whole generations must match the HF static runner's token for token, round f
 Run: python -m pytest tests/engine/test_lean_decoder.py -q
 """
 
+import copy
 import dataclasses
 
 import pytest
 import torch
-from engine_helpers import random_prompts, repetitive_prompts, tiny_draft, tiny_target
+from engine_helpers import draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine.fork import branch_tree
 from dominospec.engine.lean_decoder import LeanDecoder, DecoderOps, lean_decoder, unsupported
-from dominospec.engine.draft_block import DynamicDraftBlock
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV
@@ -66,36 +66,9 @@ def test_lean_runner_agrees_with_transformers_through_prefill_tree_select_and_cr
 
 
 def test_lean_draft_block_agrees_with_the_draft_model_through_extend_block_and_crop(target, draft):
-    embed, lm_head = target.embed_tokens, target.lm_head
-    B, F = draft.config.block_size, draft.fc.weight.shape[1]
-    mask = torch.full((B - 1,), int(draft.config.mask_token_id))
-    with torch.inference_mode():
-        mask_embeds = embed(mask)
-        dynamic = DynamicDraftBlock(draft, lm_head, embed, mask_embeds)
-        lean = LeanDraftBlock(LeanDraft(draft, DecoderOps.reference()), lm_head, embed, mask_embeds, capacity=64,
-                              graphs=False)
-        g = torch.Generator().manual_seed(1)
-        rows = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
-        prompt = rows(12)
-        for runner in (dynamic, lean):
-            runner.extend(prompt)
-        start = 12
-        for S, K, crop_to in [(0, B - 1, None), (3, 4, None), (B, B, None), (B + 5, 2, None), (1, 1, 20)]:
-            features = rows(S) if S else None
-            x_start = torch.randint(3, 7, (1,), generator=g)
-            a_z, a_u = dynamic.block(features, x_start, start + S, K)
-            b_z, b_u = lean.block(features, x_start, start + S, K)
-            assert b_z.shape == a_z.shape == (K, draft.config.hidden_size)
-            torch.testing.assert_close(b_z, a_z, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(b_u, a_u, rtol=1e-9, atol=1e-9)
-            assert lean.length == dynamic.length == start + S
-            start += S
-            if crop_to is not None:
-                dynamic.crop(crop_to)
-                lean.crop(crop_to)
-                start = crop_to
-        with pytest.raises(ValueError, match="block starts at"):
-            lean.block(None, x_start, start + 1, 1)
+    draft_runners_agree(target, draft, lambda mask_embeds: LeanDraftBlock(
+        LeanDraft(draft, DecoderOps.reference()), target.lm_head, target.embed_tokens, mask_embeds, capacity=64,
+        graphs=False))
 
 
 def test_a_wrong_visibility_bit_changes_the_logits():
@@ -126,6 +99,8 @@ def test_the_hf_model_still_computes_the_same_after_packing():
         after = target.model(input_ids=ids).logits
     assert torch.equal(before, after)
     assert lean_decoder(target.model, triton=False) is decoder  # built once per model
+    other = copy.deepcopy(target.model).float()  # another engine's copy in another dtype
+    assert lean_decoder(other, triton=False).layers[0].qkv.dtype == torch.float32
     attn = target.model.model.layers[0].self_attn
     assert attn.k_proj.weight.data_ptr() == decoder.layers[0].qkv[attn.q_proj.weight.shape[0]:].data_ptr()
 

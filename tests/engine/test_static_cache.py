@@ -12,11 +12,11 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import streaming_cost, random_prompts, tiny_draft, tiny_target
+from engine_helpers import draft_runners_agree, streaming_cost, random_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
 from dominospec.engine import spec as spec_module
-from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
+from dominospec.engine.draft_block import StaticDraftBlock
 from dominospec.engine.graphs import ShapeGraphs
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.spec import static_buckets
@@ -63,35 +63,8 @@ def test_static_target_refuses_to_overflow_or_grow_by_crop():
 
 
 def test_draft_runners_agree_through_extend_block_and_crop(target, draft):
-    embed, lm_head = target.embed_tokens, target.lm_head
-    B, F = draft.config.block_size, draft.fc.weight.shape[1]
-    mask = torch.full((B - 1,), int(draft.config.mask_token_id))
-    with torch.inference_mode():
-        mask_embeds = embed(mask)
-        dynamic = DynamicDraftBlock(draft, lm_head, embed, mask_embeds)
-        static = StaticDraftBlock(draft, lm_head, embed, mask_embeds, capacity=64, graphs=False)
-        g = torch.Generator().manual_seed(1)
-        rows = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
-        prompt = rows(12)
-        for runner in (dynamic, static):
-            runner.extend(prompt)
-        start = 12
-        for S, K, crop_to in [(0, B - 1, None), (3, 4, None), (B, B, None), (B + 5, 2, None), (1, 1, 20)]:
-            features = rows(S) if S else None
-            x_start = torch.randint(3, 7, (1,), generator=g)
-            a_z, a_u = dynamic.block(features, x_start, start + S, K)
-            b_z, b_u = static.block(features, x_start, start + S, K)
-            assert b_z.shape == a_z.shape == (K, draft.config.hidden_size)
-            torch.testing.assert_close(b_z, a_z, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(b_u, a_u, rtol=1e-9, atol=1e-9)
-            assert static.length == dynamic.length == start + S
-            start += S
-            if crop_to is not None:
-                dynamic.crop(crop_to)
-                static.crop(crop_to)
-                start = crop_to
-        with pytest.raises(ValueError, match="block starts at"):
-            static.block(None, x_start, start + 1, 1)
+    draft_runners_agree(target, draft, lambda mask_embeds: StaticDraftBlock(
+        draft, target.lm_head, target.embed_tokens, mask_embeds, capacity=64, graphs=False))
 
 
 @pytest.mark.parametrize("mode, num_draft", [("ar", None), ("ngram", None), ("dflash", None), ("domino", None),

@@ -56,10 +56,33 @@ class DynamicDraftBlock:
         return z, self.lm_head(z)
 
 
-class StaticDraftBlock(FixedRows):
-    """Draft forwards on static context buffers; "append S rows + block" replays a CUDA graph per S <= B."""
+class GraphedBlock(FixedRows):
+    """A draft runner whose "append S rows + block" is one graph per S <= B (engine.graphs): the
+    subclass builds `graphs` over its buffers `start` (0-d), `x_start` [1] and `features[S]`
+    [1, S, n*H], and `extend` for the rows that come more than B at a time."""
 
     what = "draft context"
+    B: int
+
+    def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
+        S = 0 if features is None else features.shape[1]
+        if S > self.B:
+            self.extend(features)
+            S = 0
+        if self.length + S != start:
+            raise ValueError(f"draft context holds {self.length} + {S} rows, the block starts at {start}")
+        self.check_room(S + self.B)
+        self.start.fill_(start)
+        self.x_start.copy_(x_start)
+        if S:
+            self.features[S].copy_(features)
+        z, base_logits = self.graphs.run(S)  # [B, H], [B, V]: every slot, one shape
+        self.length += S
+        return z[:K], base_logits[:K]
+
+
+class StaticDraftBlock(GraphedBlock):
+    """Draft forwards on static context buffers; "append S rows + block" replays a CUDA graph per S <= B."""
 
     def __init__(self, draft: DFlashDraftModel, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor,
                  capacity: int, graphs: bool):
@@ -85,22 +108,6 @@ class StaticDraftBlock(FixedRows):
         self.start.fill_(self.length + S)
         self._append(features.to(self.mask_embeds.dtype))
         self.length += S
-
-    def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
-        S = 0 if features is None else features.shape[1]
-        if S > self.B:
-            self.extend(features)
-            S = 0
-        if self.length + S != start:
-            raise ValueError(f"draft context holds {self.length} + {S} rows, the block starts at {start}")
-        self.check_room(S + self.B)
-        self.start.fill_(start)
-        self.x_start.copy_(x_start)
-        if S:
-            self.features[S].copy_(features)
-        z, base_logits = self.graphs.run(S)  # [B, H], [B, V]: every slot, one shape
-        self.length += S
-        return z[:K], base_logits[:K]
 
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]`, then the block at `start`."""

@@ -31,6 +31,7 @@ Ops: the Triton kernels on CUDA (`DecoderOps.triton()`), their pure-torch refere
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from dominospec.errors import UserError
 
 MAX_TREE_ROWS = 64  # rows of one forward that a visibility bitmask (int64) can describe
+_BUILT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # module -> {ops kind: built}
 SUPPORTED = ("llama", "qwen3")
 
 
@@ -236,9 +238,14 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
 
 def lean_decoder(model: Any, triton: bool) -> LeanDecoder:
     """The model's lean decoder (built once per model and kind of ops, then shared by its engines)."""
-    cached = getattr(model, "_dominospec_lean", {})
+    return built_once(model, triton, LeanDecoder)
+
+
+def built_once(module: Any, triton: bool, build: Callable[[Any, DecoderOps], Any]) -> Any:
+    """build(module, ops) for the Triton ops or their references, kept on the module: its weights are
+    packed (rebound) once, and every engine on it shares the result."""
+    cached = _BUILT.setdefault(module, {})  # beside the module, not on it: a deepcopy (another dtype) builds anew
     kind = "triton" if triton else "reference"
     if kind not in cached:
-        cached[kind] = LeanDecoder(model, DecoderOps.triton() if triton else DecoderOps.reference())
-        model._dominospec_lean = cached
+        cached[kind] = build(module, DecoderOps.triton() if triton else DecoderOps.reference())
     return cached[kind]

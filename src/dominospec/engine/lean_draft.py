@@ -19,13 +19,14 @@ and dropped (one matmul row of the fused q/k/v projection, cheaper than a second
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.lean_decoder import DecoderOps, LeanStack, pack_layer
+from dominospec.engine.draft_block import GraphedBlock
+from dominospec.engine.graphs import ShapeGraphs
+from dominospec.engine.lean_decoder import DecoderOps, LeanStack, built_once, pack_layer
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.models.domino.modeling_domino import rope_cos_sin
 
@@ -77,18 +78,11 @@ class LeanDraft:
 
 def lean_draft(draft: DFlashDraftModel, triton: bool) -> LeanDraft:
     """The draft's lean backbone (built once per draft module and kind of ops)."""
-    cached = getattr(draft, "_dominospec_lean", {})
-    kind = "triton" if triton else "reference"
-    if kind not in cached:
-        cached[kind] = LeanDraft(draft, DecoderOps.triton() if triton else DecoderOps.reference())
-        draft._dominospec_lean = cached
-    return cached[kind]
+    return built_once(draft, triton, LeanDraft)
 
 
-class LeanDraftBlock(FixedRows):
+class LeanDraftBlock(GraphedBlock):
     """Draft forwards on the lean backbone's cache; "append S rows + block" replays a CUDA graph per S <= B."""
-
-    what = "draft context"
 
     def __init__(self, lean: LeanDraft, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int,
                  graphs: bool):
@@ -104,7 +98,7 @@ class LeanDraftBlock(FixedRows):
         self.bits = torch.full((self.B,), (1 << self.B) - 1, dtype=torch.long, device=device)  # each slot sees all B
         self.workspace = lean.stack.workspace_for(self.B, device)  # the block attention's scratch
         feature_dim = lean.fc.shape[1]
-        self.features = {S: torch.zeros(S, feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
+        self.features = {S: torch.zeros(1, S, feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -115,27 +109,11 @@ class LeanDraftBlock(FixedRows):
         self.lean.append(features[0].to(self.mask_embeds.dtype), self.start, self.keys, self.values)
         self.length += S
 
-    def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
-        S = 0 if features is None else features.shape[1]
-        if S > self.B:
-            self.extend(features)
-            S = 0
-        if self.length + S != start:
-            raise ValueError(f"draft context holds {self.length} + {S} rows, the block starts at {start}")
-        self.check_room(S)
-        self.start.fill_(start)
-        self.x_start.copy_(x_start)
-        if S:
-            self.features[S].copy_(features[0])
-        z, base_logits = self.graphs.run(S)  # [B, H], [B, V]: every slot, one shape
-        self.length += S
-        return z[:K], base_logits[:K]
-
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
         def step() -> Output:
             if S:
-                self.lean.append(self.features[S], self.start - S, self.keys, self.values)
+                self.lean.append(self.features[S][0], self.start - S, self.keys, self.values)
             embeds = torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])  # [B, H]
             z = self.lean.block(embeds, self.start, self.bits, self.keys, self.values, self.workspace)
             return z, self.lm_head(z)
