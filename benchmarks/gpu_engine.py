@@ -25,9 +25,16 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
                   as W branches, each drafted on, engine.branches)
     ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
-                  verify / AR step and the draft block replay captured graphs); "ar graphs" is our
-                  CUDA-graph AR. Each is checked token for token against eager `ar`, and the speculative
-                  ones against "ar graphs" (lossless within the graph'd path)
+                  verify / AR step and the draft block replay captured graphs), transformers' forward;
+                  "ar graphs" is its CUDA-graph AR. Each is checked token for token against eager `ar`,
+                  and the speculative ones against "ar graphs" (lossless within the graph'd path)
+    ... lean      the same on the lean decoder (`engine.lean_target`: fused Triton kernels, its own KV
+                  caches, CUDA graphs); "ar lean" is our AR, the baseline of "× our graph AR" when it runs
+Every engine runs each shape once before timing (`SpecEngine.capture`), so no capture falls inside
+a timed prompt. `--reference` names the mode the others are checked against (default `ar`, eager:
+minutes a prompt in bf16, where no speculative mode is exact anyway; `ar lean` spares them).
+Per mode the table gives the device ms of the round's phases and the host ms of its plan / launch /
+wait (the acceptance's read) / commit (`GenerationStats.host_s`).
 τ is pooled (DESIGN §6) with its SE over prompts; tokens/s = Σ new tokens ÷ Σ wall time (prefill
 included, timed around each call with torch.cuda.synchronize). Every divergence from `ar` is listed
 with the target's top-2 margin there. `--budget-seconds` stops starting prompts when the next one
