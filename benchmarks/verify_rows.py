@@ -90,7 +90,6 @@ def main() -> None:
     from dominospec.engine.target_kv import StaticTargetKV
 
     if args.smoke:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -42,6 +42,8 @@ import torch
 
 from dominospec.engine.sampling import first_mismatch
 
+MAX_TREE_ROWS = 64  # rows a visibility bitmask (one int64 a row) can describe
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -60,9 +62,10 @@ class Tree:
 
 def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
     """visible [T, T] bool -> [T] int64, bit j of row i set iff visible[i, j] (bit 63 wraps to the
-    sign, as the kernels read it); None when T > 64. Tensor ops only."""
+    sign): the format kernels.tree_attention reads (its `bits_from_visible`, which the engine does
+    not import: the kernels bring triton in); None when T > MAX_TREE_ROWS. Tensor ops only."""
     T = visible.shape[-1]
-    if T > 64:
+    if T > MAX_TREE_ROWS:
         return None
     shifts = torch.arange(T, device=visible.device, dtype=torch.long)
     return (visible.long() << shifts).sum(-1)

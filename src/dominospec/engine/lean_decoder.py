@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from dominospec.errors import UserError
 
-MAX_TREE_ROWS = 64  # rows of one forward that a visibility bitmask (int64) can describe
 _BUILT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # module -> {ops kind: built}
 SUPPORTED = ("llama", "qwen3")
 

@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.fork import Tree, chain_tree
+from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.lean_decoder import MAX_TREE_ROWS, LeanDecoder
+from dominospec.engine.lean_decoder import LeanDecoder
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -45,12 +45,11 @@ class LeanTargetKV(FixedRows):
         self.start = torch.zeros((), dtype=torch.long, device=device)  # cache row of this forward's row 0
         self.first = 0  # the same, on the host (select)
         self.ids = {T: torch.zeros(T, dtype=torch.long, device=device) for T in range(1, max_rows + 1)}
-        chains = {T: chain_tree(T, device) for T in range(1, max_rows + 1)}
-        self.chain_bits = {T: c.bits for T, c in chains.items()}
-        self.depth = {T: c.depth.clone() for T, c in chains.items()}  # graph inputs
-        self.bits = {T: c.bits.clone() for T, c in chains.items()}
-        self.holds_chain = {T: True for T in chains}  # depth/bits[T] hold the chain's: a chain forward copies nothing
-        self.workspaces = {T: decoder.stack.workspace_for(T, device) for T in chains}  # the attention's scratch per T
+        self.chains = {T: chain_tree(T, device) for T in range(1, max_rows + 1)}
+        self.depth = {T: c.depth.clone() for T, c in self.chains.items()}  # graph inputs
+        self.bits = {T: c.bits.clone() for T, c in self.chains.items()}
+        self.holds_chain = {T: True for T in self.chains}  # depth/bits[T] hold the chain's: a chain forward copies nothing
+        self.workspaces = {T: decoder.stack.workspace_for(T, device) for T in self.chains}  # the attention's scratch per T
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
     def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
@@ -67,8 +66,9 @@ class LeanTargetKV(FixedRows):
         else:
             self.ids[T].copy_(ids[0])
             if tree is not None or not self.holds_chain[T]:  # a tree, or the chain after one, rewrites the shape
-                self.depth[T].copy_(tree.depth if tree is not None else torch.arange(T, device=ids.device))
-                self.bits[T].copy_(tree.bits if tree is not None else self.chain_bits[T])
+                shape = tree or self.chains[T]
+                self.depth[T].copy_(shape.depth)
+                self.bits[T].copy_(shape.bits)
                 self.holds_chain[T] = tree is None
             logits, features = self.graphs.run(T)
             logits = logits[T - keep:]

@@ -57,9 +57,9 @@ from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.branches import draft_branches
 from dominospec.engine.clock import PhaseClock
-from dominospec.engine.fork import accept_branches, branch_tree
+from dominospec.engine.fork import MAX_TREE_ROWS, accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
-from dominospec.engine.lean_decoder import MAX_TREE_ROWS, LeanDecoder, lean_decoder, unsupported
+from dominospec.engine.lean_decoder import LeanDecoder, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock, lean_draft
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.loading import check_draft_matches
@@ -355,7 +355,7 @@ class SpecEngine:
         if not self.options.static_cache or rows > self.options.graph_capacity:
             return
         kv, drafter = self._runners(rows)
-        ids = torch.full((1, kv.max_rows), int(self.stop_ids and min(self.stop_ids) or 0), device=self.device)
+        ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
         _, features = kv.forward(ids[:, :2], keep=1)
         for T in range(1, kv.max_rows + 1):
             kv.forward(ids[:, :T], keep=T)

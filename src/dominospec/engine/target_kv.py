@@ -91,7 +91,7 @@ class StaticTargetKV(FixedRows):
         self.first = 0
         self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in range(1, max_rows + 1)}
         self.chains = {T: chain_tree(T, self.device) for T in range(1, max_rows + 1)}
-        self.trees = {T: Tree(c.depth.clone(), c.visible.clone(), c.bits) for T, c in self.chains.items()}  # graph inputs
+        self.trees = {T: Tree(c.depth.clone(), c.visible.clone()) for T, c in self.chains.items()}  # graph inputs (no bits: the mask is built from visible)
         self.holds_chain = {T: True for T in self.trees}  # trees[T] holds chains[T]: a chain forward copies nothing
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
