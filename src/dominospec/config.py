@@ -179,6 +179,8 @@ class EngineParams:
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
     ngram_fork: bool  # with ngram_assist, greedy: verify it beside the draft's chain, two branches in one forward
     tree_width: int  # greedy: verify the draft's W best first tokens as W branches, each drafted on; 1 = a chain
+    tree_nodes: int  # mode dominotree: the best-first tree's node budget N (a verify of at most N + 1 rows)
+    tree_children: int  # mode dominotree: children offered per expansion (the path's top-k corrected draft tokens)
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
     cuda_graphs: Literal["auto", "on", "off"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
@@ -201,6 +203,7 @@ class EvaluateParams:
     stop_strings: list[str]
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
     server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
+    sampled_temperature: Optional[float]  # a second pass at this temperature: AR, the Domino chain, DominoTree; null = none
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ class ServeParams:
     host: str
     port: int
     backend: Literal["auto", "sglang", "builtin"]  # auto: sglang when importable and CUDA is available
-    mode: Literal["domino", "dflash", "ar"]  # built-in server only (SGLang serves what the draft's config says)
+    mode: Literal["domino", "dominotree", "dflash", "ar"]  # built-in server only (SGLang serves what the draft's config says)
     num_draft: Union[int, Literal["auto"], None]  # built-in: K drafts per round, 1..block_size; null = B-1; auto = auto-K
     max_queue: int  # built-in: requests waiting for the engine; one more gets 503
     max_body_bytes: int  # built-in: larger request bodies get 413, before parsing
