@@ -4,7 +4,7 @@ On a real prompt (prefilled once): the target forward over r = 1..R rows with th
 features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a chain of K_max or a
 prompt lookup proposes), the draft forward over the block with
 the base logits of K_max rows, a K_max-step chain, and (`tree_width` W > 1) W branches of K_max
-drafts (engine.branches); each `repeats` times, the phases
+drafts (engine.branches), and (`dominotree`) the growth of the whole tree (engine.domino_tree); each `repeats` times, the phases
 interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
 the minimum is the machine's own cost, and K does not follow one descheduled sample). Greedy
 chain. The measurement runs on the engine's own runners (static caches and CUDA graphs when it
@@ -53,7 +53,7 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     if drafter is not None:
         drafter.extend(features.to(engine.draft_dtype))
     verify = {r: [] for r in range(1, R + 1)}
-    draft_ms, chain_ms, branch_ms = [], [], []
+    draft_ms, chain_ms, branch_ms, build_ms = [], [], [], []
     rows = ids.repeat(R)[:R]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
@@ -67,24 +67,29 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
             z, base_logits = drafter.block(None, x_start, T, K)
             t1 = engine._now()
             draft_chain(engine.draft, z, base_logits, x_start, engine.embed_tokens, Sampling(), None,
-                        engine.mode == "domino", engine.options.candidate_pool, kernels=engine.head_kernels,
+                        engine.draft_head, engine.options.candidate_pool, kernels=engine.head_kernels,
                         graphs=engine.head_graphs)
             t2 = engine._now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
             if engine.tree_width > 1:
-                draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.mode == "domino",
+                draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.draft_head,
                                engine.options.candidate_pool, engine.tree_width, kernels=engine.head_kernels,
                                graphs=engine.head_graphs)
                 branch_ms.append(1000 * (engine._now() - t2) / K)
+            if engine.grower is not None:
+                t3 = engine._now()
+                engine.grower.grow(z, base_logits, x_start)
+                build_ms.append(1000 * (engine._now() - t3))
     if shared is not None:
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
                          rollout_step=min(chain_ms) if chain_ms else 0.0,
-                         branch_step=min(branch_ms) if branch_ms else 0.0)
+                         branch_step=min(branch_ms) if branch_ms else 0.0, tree_build=min(build_ms) if build_ms else 0.0)
     return RoundCost(verify=nondecreasing([min(verify[r]) for r in verify]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0,
-                     branch_step=min(branch_ms) if branch_ms else 0.0)
+                     branch_step=min(branch_ms) if branch_ms else 0.0,
+                     tree_build=min(build_ms) if build_ms else 0.0)
 
 
 def nondecreasing(values: list[float]) -> list[float]:

@@ -43,6 +43,7 @@ class RoundCost:
     draft: float  # draft forward over the block + base logits (0 in `ngram`)
     rollout_step: float  # one chain step (0 in `ngram`)
     branch_step: float = 0.0  # one step of the draft's widest tree (engine.branches; 0 without one)
+    tree_build: float = 0.0  # growing DominoTree's whole budget of nodes (engine.domino_tree; 0 without one)
 
     def round_ms(self, k: int) -> float:
         """Cost of a round verifying k drafts (k = 0: a plain target step, no draft forward)."""
@@ -60,6 +61,12 @@ class RoundCost:
         step = self.rollout_step if width == 1 else self.branch_step
         drafting = self.draft + kd * step if kd else 0.0
         return drafting + self.verify[width * kd + kl]
+
+    def best_first_ms(self, nodes: int, kl: int) -> float:
+        """Cost of a DominoTree round verifying its best `nodes` nodes and a lookup of kl tokens (nodes 0:
+        no draft forward, a lookup round or, with kl 0 too, a plain step)."""
+        drafting = self.draft + self.tree_build if nodes else 0.0
+        return drafting + self.verify[nodes + kl]
 
     def as_dict(self) -> dict:
         return asdict(self)

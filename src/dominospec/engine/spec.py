@@ -7,6 +7,10 @@ One `SpecEngine` per (target, draft, mode):
 - `dflash`: the draft backbone proposes a block, each draft token an independent draw from the
   base logits u (head off).
 - `domino`: the same block, drafted by the Domino rollout (GRU-corrected logits u + delta).
+- `dominotree`: the same block and head, drafting a best-first tree of `tree_nodes` nodes
+  (engine.domino_tree): each path's children scored by that path's own GRU state, the tree
+  verified in one forward (ancestors-only attention), greedy or sampled (engine.tree_accept);
+  auto-K chooses how many of its best nodes a round verifies (engine.tree_policy).
 With `ngram_assist`, a draft-mode round whose context offers a prompt-lookup continuation
 verifies that instead (no draft forward; its target features wait in `pending` for the next
 draft forward), and drafts otherwise: lookups are free, and on copying stretches they beat the draft.
@@ -57,6 +61,7 @@ from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.branches import draft_branches
 from dominospec.engine.clock import PhaseClock
+from dominospec.engine.domino_tree import TreeGrower
 from dominospec.engine.fork import MAX_TREE_ROWS, accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.lean_decoder import LeanDecoder, lean_decoder, unsupported
@@ -70,13 +75,16 @@ from dominospec.engine.rollout import DraftChain, draft_chain
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stats import Generation, GenerationStats
 from dominospec.engine.stops import cut_at_stop_string, first_stop_token, stop_token_ids
+from dominospec.engine.tree_policy import TreeModel
+from dominospec.engine.tree_round import tree_round
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
 
-MODES = ("ar", "ngram", "dflash", "domino")
+MODES = ("ar", "ngram", "dflash", "domino", "dominotree")
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
-DRAFT_MODES = ("dflash", "domino")
+DRAFT_MODES = ("dflash", "domino", "dominotree")
+HEAD_MODES = ("domino", "dominotree")  # the modes that run the Domino head
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ class EngineOptions:
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
     ngram_fork: bool = False  # with ngram_assist, greedy: ... verifies it beside the draft's chain, a two-branch tree (engine.fork)
     tree_width: int = 1  # greedy draft rounds: verify the draft's W best first tokens, each drafted on (engine.branches); 1 = a chain
+    tree_nodes: int = 16  # mode dominotree: the best-first tree's node budget N (engine.domino_tree)
+    tree_children: int = 4  # mode dominotree: children offered per expansion
     head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
     static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
     cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
@@ -131,6 +141,8 @@ class SpecEngine:
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
         self.lookup_k_max = 0  # the most tokens a prompt lookup proposes (0: no lookups)
         self.tree_width = 1  # the most draft branches a greedy round verifies
+        self.tree_nodes = 0  # dominotree: the most tree nodes a round verifies
+        self.grower: Optional[TreeGrower] = None  # dominotree: the tree's build (engine.domino_tree)
         if options.tree_width < 1:
             raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {options.tree_width}")
         self.lean: Optional[LeanDecoder] = None  # the target on the lean decoder (static caches only)
@@ -149,8 +161,8 @@ class SpecEngine:
         if draft is None:
             raise UserError(f"mode {mode!r} needs a draft model")
         check_draft_matches(draft.config, target)
-        if mode == "domino" and not draft.config.use_domino_head:
-            raise UserError("mode 'domino' needs a draft trained with the Domino head (config.use_domino_head is false)")
+        if mode in HEAD_MODES and not draft.config.use_domino_head:
+            raise UserError(f"mode {mode!r} needs a draft trained with the Domino head (config.use_domino_head is false)")
         resolved = torch.empty(0, device=self.device).device  # "cuda" -> "cuda:0"
         if draft.fc.weight.device != resolved:
             raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
@@ -160,7 +172,7 @@ class SpecEngine:
         if kernel == "auto":  # Triton where it runs compiled (a CUDA draft), torch ops elsewhere
             kernel = "triton" if triton_usable(self.draft.embed_proj[2].weight.device) else "torch"
         self.block_size = int(draft.config.block_size)
-        if mode == "domino" and kernel == "triton":
+        if mode == "domino" and kernel == "triton":  # (dominotree grows its tree with torch ops, as one graph on CUDA)
             self.head_kernels = prepare_head_kernels(self.draft, self.embed_tokens)
             if options.static_cache:
                 self.head_graphs = RolloutGraphs(self.head_kernels, self.block_size, self.draft.config.hidden_size,
@@ -170,7 +182,16 @@ class SpecEngine:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
         self.lookup_k_max = options.ngram_num_draft if options.ngram_assist else 0
-        self.tree_width = options.tree_width
+        if mode == "dominotree":
+            if options.tree_nodes < 1 or options.tree_children < 1:
+                raise UserError(f"engine.tree_nodes and engine.tree_children must be >= 1, got "
+                                f"{options.tree_nodes} and {options.tree_children}")
+            self.tree_nodes = options.tree_nodes
+            self.grower = TreeGrower(self.draft, self.embed_tokens, options.tree_nodes, options.tree_children,
+                                     options.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
+                                     self.draft_dtype, self.device, graphs=options.static_cache and options.cuda_graphs)
+        else:
+            self.tree_width = options.tree_width
         self._fresh_acceptance()
         self.layer_ids = list(draft.config.target_layer_ids)
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
@@ -212,6 +233,7 @@ class SpecEngine:
         model in `ngram` mode, where lookups are the drafts; None without lookups)."""
         self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
         self.ranks = RankModel(self.tree_width, self.options.acceptance_window)  # the draft's 2nd..W-th guesses
+        self.tree_model = TreeModel(self.tree_nodes, self.num_draft, self.options.acceptance_window)  # dominotree
         self.lookup_acceptance: Optional[AcceptanceModel] = None
         if self.mode == "ngram":
             self.lookup_acceptance = self.acceptance
@@ -224,10 +246,15 @@ class SpecEngine:
         return self.draft is not None and self.lookup_k_max > 0 and self.options.ngram_fork
 
     @property
+    def draft_head(self) -> bool:
+        """The drafts run the Domino head (domino, dominotree); head off (dflash) otherwise."""
+        return self.mode in HEAD_MODES
+
+    @property
     def max_verify(self) -> int:
         """The most drafts one round can verify: W branches of K <= B (a chain: W = 1), or a prompt
         lookup (both, forking)."""
-        drafts = self.num_draft * self.tree_width
+        drafts = self.tree_nodes or self.num_draft * self.tree_width
         if self.forking:
             return drafts + self.lookup_k_max
         return max(drafts, self.lookup_k_max)
@@ -368,7 +395,7 @@ class SpecEngine:
             z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
                                            self.block_size)
             drafter.crop(1)
-        head = self.mode == "domino"
+        head = self.mode in HEAD_MODES
         for K in range(1, self.num_draft + 1):
             draft_chain(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, Sampling(), None, head,
                         self.options.candidate_pool, self.options.confidence_cut > 0, kernels=self.head_kernels,
@@ -376,6 +403,8 @@ class SpecEngine:
             for W in range(2, self.tree_width + 1):
                 draft_branches(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, head,
                                self.options.candidate_pool, W, kernels=self.head_kernels, graphs=self.head_graphs)
+            if self.grower is not None:
+                self.grower.grow(z[:K], base_logits[:K], x_start)
 
     def capture_all(self) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
@@ -397,6 +426,8 @@ class SpecEngine:
 
     def _round(self, state, tokens, start, budget, sampling, generator, stats) -> tuple[int, Optional[str]]:
         """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
+        if self.mode == "dominotree":
+            return tree_round(self, state, tokens, start, budget, sampling, generator, stats)
         room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
         h0 = time.perf_counter()  # host marks: plan | launch | wait (the acceptance's read) | commit
         x_start = torch.tensor([tokens[-1]], device=self.device)
@@ -413,12 +444,12 @@ class SpecEngine:
             z, base_logits = self._draft_forward(state, x_start, start, K)
         t1 = clock.mark(on_device)
         if K > 0 and W > 1:
-            branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.mode == "domino",
+            branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.draft_head,
                                       self.options.candidate_pool, W, kernels=self.head_kernels,
                                       graphs=self.head_graphs)  # [W, K]
         elif K > 0:
             chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
-                                self.mode == "domino", self.options.candidate_pool, self.options.confidence_cut > 0,
+                                self.draft_head, self.options.candidate_pool, self.options.confidence_cut > 0,
                                 kernels=self.head_kernels, graphs=self.head_graphs)
             K = self._cut(chain)
             branches = chain.tokens[:K][None]
@@ -455,13 +486,7 @@ class SpecEngine:
             stats.lookup_rounds += L > 0 and self.mode != "ngram"
             n_chain = n_draft = n_lookup = n
             winner_rank = 1 if K and n else 0
-        proposed = accepted.tolist() + [nxt]
-        m, reason = self._admit(tokens, proposed, budget)
-        tokens += proposed[:m]
-        state.kv.select(rows[:m])  # a branch other than the first won: its rows into place
-        state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
-        if features is not None:
-            state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
+        m, reason = self._commit(state, tokens, accepted.tolist() + [nxt], rows, features, start, budget)
         t3 = clock.mark(on_device)
 
         # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
@@ -471,14 +496,20 @@ class SpecEngine:
             stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
         if self.auto:
             self._learn(K, n_chain, L, n_lookup, W if K else 0, winner_rank)
-        clock.add("draft", t0, t1)
-        clock.add("rollout", t1, t2)
-        clock.add("verify", t2, t3)
-        if K + L > 0:
-            clock.add("draft_round", t0, t3)
-        h4 = time.perf_counter()
-        for phase, a, b in (("plan", h0, h1), ("launch", h1, h2), ("wait", h2, h3), ("commit", h3, h4)):
-            stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)
+        book_phases(clock, stats, (t0, t1, t2, t3), (h0, h1, h2, h3, time.perf_counter()), K + L > 0)
+        return m, reason
+
+    def _commit(self, state, tokens: list[int], proposed: list[int], rows: list[int], features, start: int,
+                budget: int) -> tuple[int, Optional[str]]:
+        """A round's accepted tokens and next token (`proposed`), the verify rows they sit on (row 0
+        first) -> tokens committed (stop tokens and the budget admitted), the target KV and the pending
+        features keeping exactly those rows; -> (m, finish reason)."""
+        m, reason = self._admit(tokens, proposed, budget)
+        tokens += proposed[:m]
+        state.kv.select(rows[:m])  # a branch other than the first won: its rows into place
+        state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
+        if features is not None:
+            state.pending.append(features[:, rows[:m]])  # the same m rows, for the draft context
         return m, reason
 
     def _plan(self, state, room: int, greedy: bool) -> tuple[int, int, list[int]]:
@@ -633,6 +664,19 @@ class SpecEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def book_phases(clock: PhaseClock, stats: GenerationStats, marks: tuple, host: tuple, drafted: bool) -> None:
+    """A round's clock marks (t0 draft t1 rollout t2 verify t3) and host marks (plan | launch | wait |
+    commit) -> its phase times; `drafted`: it verified at least one draft (a draft round)."""
+    t0, t1, t2, t3 = marks
+    clock.add("draft", t0, t1)
+    clock.add("rollout", t1, t2)
+    clock.add("verify", t2, t3)
+    if drafted:
+        clock.add("draft_round", t0, t3)
+    for phase, a, b in zip(("plan", "launch", "wait", "commit"), host, host[1:]):
+        stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)
 
 
 def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:

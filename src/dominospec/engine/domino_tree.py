@@ -1,0 +1,190 @@
+"""DominoTree: the draft's tree grown best-first over the cumulative log-probability of its paths.
+
+The engine's first-token tree (engine.branches) spends its rows on the draft's W best *first*
+tokens and one greedy chain after each. DominoTree spends them where the draft puts its mass: a
+node is the path x_start, t_1 .. t_d; its score is the draft's log q(t_1) + ... + log q(t_d); the
+tree of budget N is the N best-scored nodes, each path's children offered by that path's own
+Domino head:
+
+    slot j < P (pure_draft_prefix_len): q = softmax(u_j)                  the same for every path
+    slot j >= P:                        q = softmax(u_j + W2 . SiLU(W1 . [z_j ; s_path]))
+                                        over the block's candidate pool (engine.rollout), s_path the
+                                        GRU state after [x_start, t_1 .. t_j]
+
+(greedy: log_softmax of the scored logits; sampling: the log of the warped q the chain would draw
+from, `Sampling.probs`). Each node offers its `children` most likely tokens. The backbone ran once
+for the block (z [K, H], u [K, V]): only the GRU step and the correction run per path.
+
+How it is grown. A max-heap (pop the best path, push its children) is the textbook build; it is
+one GRU step and one correction per node, each waiting for the last. Scores only fall along a path
+(log q <= 0), so a node's ancestors always score at least as well as it: the N best nodes of the
+unbounded tree are closed under taking parents, and they are exactly the heap's N nodes (up to
+ties). Every one of them is also among the N best of its own depth. So the tree is grown depth by
+depth: the frontier at depth d is the (at most) N best children of the frontier at depth d - 1,
+scored in one batch of F <= N rows (one GRU step, one correction over the pool); the tree is then
+the N best of all K frontiers. K batched steps instead of N sequential ones, with shapes fixed by
+(K, N, children): on CUDA the whole build is one graph (`TreeGraphs`), no host work per node.
+
+The nodes come out best first (a stable sort: on equal scores the shallower first), so every
+prefix of them is itself a tree (a parent always precedes its children): the best n <= N nodes are
+the tree of budget n, which is how auto-K verifies fewer rows than it grew (engine.policy.TreeModel),
+and how it learns, from one verified tree, what every smaller budget would have accepted.
+
+The verify rows (`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at
+depth d_i (position start + d_i); each row sees the committed context, its ancestors and itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from dominospec.engine.fork import Tree
+from dominospec.engine.rollout import candidate_pool
+from dominospec.engine.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """N nodes, best first. tokens [N] long; parents [N] long, the verify row of node i's parent
+    (0: x_start; node i is row i + 1, and parents[i] <= i); depth [N] long in 1..max_depth; scores
+    [N] float32 (or wider), the cumulative draft log-probability (-inf: a dead node, nothing left to offer).
+    `max_depth` (K, on the host) bounds every path."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    scores: torch.Tensor
+    max_depth: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def verify_rows(self, n: int, lookup: int = 0) -> tuple[Tree, torch.Tensor]:
+        """The verify of x_start, the best n nodes, then a lookup chain of `lookup` rows under x_start
+        (engine.fork) -> (its Tree: depth [1 + n + lookup], visible = self and ancestors; parent rows
+        [1 + n + lookup], row 0 its own). Device ops only."""
+        chain = torch.arange(1, lookup + 1, device=self.tokens.device)  # lookup token k: row n + k, depth k
+        depth = torch.cat([self.depth.new_zeros(1), self.depth[:n], chain])
+        parents = torch.cat([self.parents.new_zeros(1), self.parents[:n], torch.where(chain > 1, chain + n - 1, 0)])
+        return Tree.of(depth, ancestors(parents, max(self.max_depth, lookup))), parents
+
+
+def ancestors(parents: torch.Tensor, steps: int) -> torch.Tensor:
+    """Parent row of each row [T] (row 0 its own) -> visible [T, T] bool: row i sees row j iff j is i
+    or an ancestor of i. `steps` >= the deepest row's depth."""
+    T = parents.shape[0]
+    rows = torch.arange(T, device=parents.device)
+    visible = torch.zeros(T, T, dtype=torch.bool, device=parents.device)
+    visible[rows, rows] = True
+    up = rows
+    for _ in range(steps):
+        up = parents[up]
+        visible[rows, up] = True
+    return visible
+
+
+def grow_tree(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
+              nodes: int, children: int, pool_size: int, sampling: Sampling = Sampling()) -> DraftTree:
+    """z [K, H], u [K, V], x_start [1] -> the best-first DraftTree of min(nodes, reachable) nodes,
+    depth <= K (module docstring). Tensor ops only, shapes fixed by (K, nodes, children): capturable."""
+    K, V = base_logits.shape
+    P = int(draft.config.pure_draft_prefix_len)
+    cand = candidate_pool(base_logits, P, pool_size)  # [M] or None: the corrected slots score only these
+    w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
+    if cand is not None:
+        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)  # [M, r], [K, M]
+    state = draft.gru_step(embed_tokens(x_start), z.new_zeros(1, draft.config.gru_hidden_dim))  # s_0 [1, G]
+    score = torch.zeros(1, dtype=torch.promote_types(base_logits.dtype, torch.float32), device=z.device)  # frontier's log q [F]
+    levels = []  # per depth d = 1..K: (tokens [F_d], scores [F_d], parent index in frontier d - 1 [F_d])
+    for j in range(K):  # slot j offers the children of the depth-j frontier (depth j + 1)
+        rows = score.shape[0]
+        if j < P:  # path-independent: one row, whatever the frontier
+            logits, ids = base_logits[j][None].expand(rows, -1), None
+        else:
+            mid = draft.correction_hidden(z[j][None].expand(rows, -1), state)  # [F, r]
+            logits, ids = scored_base[j] + F.linear(mid.to(w2.dtype), w2), cand  # [F, M]
+        logq = log_draft_probs(logits, sampling)  # [F, M or V] float32
+        offered = min(children, logq.shape[1])
+        top = logq.topk(offered, dim=-1)  # [F, c]
+        total = (score[:, None] + top.values).flatten()  # [F * c]
+        best = total.topk(min(nodes, total.shape[0]))  # sorted: the frontier of depth j + 1
+        parent = best.indices // offered
+        token = top.indices.flatten()[best.indices]
+        token = token if ids is None else ids[token]
+        levels.append((token, best.values, parent))
+        if j + 1 < K:
+            state = draft.gru_step(embed_tokens(token), state[parent])  # each path's own state
+            score = best.values
+    return select_best(levels, nodes, K)
+
+
+def log_draft_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Scored logits [F, N] -> log q [F, N] in float32 or wider: the raw softmax (greedy), or the
+    warped distribution the chain would draw from (float32; temperature, top-k, top-p: -inf where q = 0)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return sampling.probs(logits).log()
+
+
+def select_best(levels: list, nodes: int, K: int) -> DraftTree:
+    """Frontiers by depth -> the best `nodes` of them, best first (stable: on a tie the shallower,
+    so a parent precedes its children), their parents as verify rows."""
+    offsets, at = [], 0
+    for token, _, _ in levels:
+        offsets.append(at)
+        at += token.shape[0]
+    tokens = torch.cat([t for t, _, _ in levels])  # [S], depth-major
+    scores = torch.cat([s for _, s, _ in levels])
+    depth = torch.cat([torch.full_like(t, d + 1) for d, (t, _, _) in enumerate(levels)])
+    # the parent's index in the concatenation (-1: x_start)
+    parent = torch.cat([levels[0][2].new_full(levels[0][2].shape, -1)] +
+                       [p + offsets[d - 1] for d, (_, _, p) in enumerate(levels) if d > 0])
+    n = min(nodes, tokens.shape[0])
+    order = torch.sort(scores, descending=True, stable=True).indices[:n]  # [n]
+    row_of = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)  # concatenation index + 1 -> row
+    row_of[order + 1] = torch.arange(1, n + 1, device=tokens.device)
+    return DraftTree(tokens=tokens[order], parents=row_of[parent[order] + 1], depth=depth[order],
+                     scores=scores[order], max_depth=K)
+
+
+class TreeGrower:
+    """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`, a copy the
+    caller keeps. With `graphs` (static caches on CUDA) the build runs on static input buffers, one
+    CUDA graph per (K, sampling) (engine.graphs): one replay a round instead of ~10 launches a depth
+    from Python; with `graphs=False` the same function runs eagerly on the caller's tensors."""
+
+    def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int,
+                 block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool):
+        from dominospec.engine.graphs import ShapeGraphs
+
+        self.draft, self.embed_tokens = draft, embed_tokens
+        self.nodes, self.children, self.pool_size, self.graphs_on = nodes, children, pool_size, graphs
+        hidden = int(draft.config.hidden_size)
+        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
+        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs = ShapeGraphs(self._build, graphs)
+
+    def grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+             sampling: Sampling = Sampling()) -> DraftTree:
+        if not self.graphs_on:
+            return self._grow(z, base_logits, x_start, sampling)
+        K = z.shape[0]
+        self.z[:K].copy_(z)
+        self.base[:K].copy_(base_logits)
+        self.x_start.copy_(x_start.reshape(1))
+        tree = self.graphs.run((K, sampling))
+        return DraftTree(tree.tokens.clone(), tree.parents.clone(), tree.depth.clone(), tree.scores.clone(), K)
+
+    def _build(self, key: tuple):
+        K, sampling = key
+        return lambda: self._grow(self.z[:K], self.base[:K], self.x_start, sampling)
+
+    def _grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling) -> DraftTree:
+        return grow_tree(self.draft, z, base_logits, x_start, self.embed_tokens, self.nodes, self.children,
+                         self.pool_size, sampling)
