@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                               "(default: evaluate.server_concurrency)")
     gen = sub.add_parser("generate", help="answer one prompt; print the answer, τ and tokens/s")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--mode", default="domino", choices=["ar", "ngram", "dflash", "domino"])
+    gen.add_argument("--mode", default="domino", choices=["ar", "ngram", "dflash", "domino", "dominotree"])
     gen.add_argument("--params", default="params.yaml")
     srv = sub.add_parser("serve", help="serve the final model (SGLang on a CUDA host, else the built-in server)")
     srv.add_argument("--params", default="params.yaml")

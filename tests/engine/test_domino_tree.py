@@ -24,7 +24,7 @@ from collections import Counter
 import pytest
 import torch
 from engine_helpers import random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
-from test_lossless_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, marginals, sample_x2_x3
+from test_lossless_sampling import VOCAB, chi_square_p, exact_joint, marginals, sample_x2_x3
 from scipy.stats import chi2
 
 import dominospec.engine.tree_accept as tree_accept

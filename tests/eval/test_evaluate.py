@@ -6,6 +6,7 @@ private MLflow store. fp32 greedy: spec output must equal AR output on every pro
 Run: python -m pytest tests/eval -q
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -116,7 +117,17 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert 1.0 <= suite["acceptance_length"] <= report["block_size"]
     assert suite["speedup"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ar_tokens_per_s"]) and suite["speedup"] > 0
     # every mode on the same prompts, one schema; prompt lookup reported beside the draft's modes
-    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino"}
+    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
+    for mode in ("domino_chain", "dominotree"):  # the configured first-token tree's chain, and DominoTree: exact too
+        assert suite["modes"][mode]["exact_match"] == 1.0 and suite["modes"][mode]["acceptance_length"] >= 1.0
+    # the sampled pass: AR, Domino and DominoTree at evaluate.sampled_temperature, τ and speed-up with their SEs
+    sampled = suite["sampled"]
+    assert report["sampled_temperature"] == sampled["temperature"] == params.evaluate.sampled_temperature > 0
+    assert set(sampled["modes"]) == {"ar", "domino", "dominotree"} and sampled["n_prompts"] == 3
+    for mode in ("domino", "dominotree"):
+        m = sampled["modes"][mode]
+        assert 1.0 <= m["acceptance_length"] <= report["block_size"] and m["speedup_se"] is not None
+        assert m["speedup"] == pytest.approx(m["tokens_per_s"] / sampled["modes"]["ar"]["tokens_per_s"])
     assert suite["exact_match_ngram"] == 1.0 and suite["modes"]["ngram"]["exact_match"] == 1.0
     assert suite["speedup_ngram"] == pytest.approx(suite["ngram_tokens_per_s"] / suite["ar_tokens_per_s"])
     assert suite["modes"]["domino"]["acceptance_length"] == suite["acceptance_length"]
@@ -156,6 +167,8 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert run.data.tags["training_run_id"] == TRAIN_RUN_ID
     assert run.data.metrics["mine/speedup"] == pytest.approx(suite["speedup"])
     assert run.data.metrics["mine/walk/domino/acceptance_length"] == pytest.approx(walk["domino"]["acceptance_length"])
+    assert run.data.metrics["mine/sampled/dominotree/acceptance_length"] == pytest.approx(
+        sampled["modes"]["dominotree"]["acceptance_length"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
 
@@ -181,8 +194,10 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
     finally:
         torch.set_float32_matmul_precision("highest")
     assert seen["precision"] == "highest"
-    assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino"}
+    assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
+    chain = seen["options"].pop("domino_chain")  # the configured options with tree_width 1
     assert len({id(options) for options in seen["options"].values()}) == 1
+    assert chain == dataclasses.replace(seen["options"]["domino"], tree_width=1) and chain.tree_width == 1
 
 
 def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path):
@@ -192,7 +207,8 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
     auto_params = tmp_path / "params.yaml"
     auto_params.write_text(yaml.safe_dump(raw))
     report = evaluate(load_params(auto_params), out=str(tmp_path / "auto.json"))
-    assert report["num_draft_setting"] == "auto" and set(report["auto_k"]) == {"ngram", "dflash", "domino"}
+    assert report["num_draft_setting"] == "auto"
+    assert set(report["auto_k"]) == {"ngram", "dflash", "domino", "domino_chain", "dominotree"}
     record = report["auto_k"]["domino"]
     K, lookup_k = report["num_draft"], report["engine"]["ngram_num_draft"] if report["engine"]["ngram_assist"] else 0
     # verify is measured for W branches of K drafts (a chain: W = 1) and, with ngram_assist, for a lookup
@@ -213,8 +229,16 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
         assert len(record["tree"]["rank_share_estimate_at_end"]) == W - 1 and record["cost_ms"]["branch_step"] > 0
         width, kd, kl = record["tree"]["k_at_end"]
         assert 1 <= width <= W and 0 <= kd <= K and kl == 0
+    tree, N = report["auto_k"]["dominotree"], report["engine"]["tree_nodes"]  # auto-budget: by nodes verified
+    assert tree["cost_ms"]["tree_build"] > 0 and len(tree["cost_ms"]["verify"]) == N + lookup_k * bool(fork) + 1
+    expected = tree["dominotree"]["expected_tokens_by_nodes"]
+    assert len(expected) == N + 1 and expected[0] == 1.0 and expected == sorted(expected)
+    assert 0 <= tree["dominotree"]["nodes_at_end"] <= N
+    # one measurement of the machine: the engine verifying the most rows measured it, the others took it
+    assert record["cost_ms"]["verify"] == tree["cost_ms"]["verify"][:rows]
     sharegpt = report["suites"]["sharegpt"]
     assert sharegpt["exact_match"] == sharegpt["exact_match_no_head"] == sharegpt["exact_match_ngram"] == 1.0
+    assert sharegpt["modes"]["dominotree"]["exact_match"] == 1.0
 
 
 def test_stage_runs_params_suites_and_out_keeps_pipeline_outputs_apart(setup, tmp_path):
@@ -252,12 +276,25 @@ def test_evaluate_command_reports_a_bad_prompts_file_without_traceback(setup, tm
     assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
 
 
-def test_generate_command_prints_answer_then_tau_and_speed(setup, capsys):
+@pytest.mark.parametrize("mode", ["domino", "dominotree"])
+def test_generate_command_prints_answer_then_tau_and_speed(setup, capsys, mode):
     params_path, _ = setup
-    assert main(["generate", "--params", str(params_path), "--prompt", "t5 t6 t7"]) == 0
+    assert main(["generate", "--params", str(params_path), "--prompt", "t5 t6 t7", "--mode", mode]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].startswith("[domino, B=4, K=3, T=0.0]") and "τ " in lines[-1] and "tokens/s" in lines[-1]
+    assert lines[-1].startswith(f"[{mode}, B=4, K=3, T=0.0]") and "τ " in lines[-1] and "tokens/s" in lines[-1]
     assert lines[0].startswith("t")  # the decoded answer of the word-level tokenizer
+
+
+def test_sampled_pass_setting(setup):
+    from dominospec.eval.stage import second_sampling
+    from dominospec.engine import Sampling
+
+    cfg = load_params(setup[0]).evaluate
+    assert second_sampling(cfg, Sampling()) == Sampling(temperature=cfg.sampled_temperature)
+    assert second_sampling(dataclasses.replace(cfg, sampled_temperature=None), Sampling()) is None
+    assert second_sampling(cfg, Sampling(temperature=cfg.sampled_temperature)) is None  # the first pass already is
+    with pytest.raises(UserError, match="evaluate.sampled_temperature"):
+        second_sampling(dataclasses.replace(cfg, sampled_temperature=0.0), Sampling())
 
 
 def test_humaneval_suite_reads_all_tasks_as_chat_requests():

@@ -37,7 +37,7 @@ depth d_i (position start + d_i); each row sees the committed context, its ances
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F

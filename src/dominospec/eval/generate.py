@@ -11,7 +11,7 @@ from dominospec.eval.prompts import render
 
 
 def generate(params: Params, prompt: str, mode: str) -> Generation:
-    """Params + user message + mode (ar | ngram | dflash | domino) -> Generation (answer and stats printed).
+    """Params + user message + mode (ar | ngram | dflash | domino | dominotree) -> Generation (answer and stats printed).
 
     Sampling, max_new_tokens, num_draft, stop strings, seed and threads come from `params.evaluate`,
     the engine's speed knobs from `params.engine`.

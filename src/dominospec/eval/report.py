@@ -16,7 +16,10 @@ Exact match (greedy only) is the share of prompts whose token ids equal AR's; ea
 is recorded with the target's top-2 logit margin at that point, so it can be checked against a
 near-tie.
 
-Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`.
+Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`;
+with the head also `domino_chain` (Domino with tree_width 1, when the configured one branches) and
+`dominotree` (the best-first tree), in `modes` only. `sampled_report` is the second pass at the
+suite's sampling setting: τ and speed of AR, Domino and DominoTree under sampling.
 The flat keys describe the draft's mode (`spec_*`, `acceptance_length`, `speedup`, ...), `_no_head`
 the head-off mode and `_ngram` prompt lookup; `modes` holds every mode's metrics under one schema.
 """
@@ -32,6 +35,8 @@ from dominospec.engine import Generation, SpecEngine
 
 # The two draft modes: head off (metric suffix `_no_head`) and Domino; prompt lookup: `_ngram`.
 NO_HEAD, HEAD, NGRAM = "dflash", "domino", "ngram"
+# With the head, for comparison in `modes`: Domino's chain (when the configured Domino is a first-token tree), DominoTree
+CHAIN, TREE = "domino_chain", "dominotree"
 
 
 def relative_standard_error(columns: list[list[float]], signs: tuple[int, ...]) -> Optional[float]:
@@ -222,3 +227,21 @@ def suite_report(
         "draft_round_over_ar_step": ratio(spec["draft_round_ms"], ar_step),
         "modes": modes,
     }
+
+
+def sampled_report(runs: list[dict[str, Generation]], sampling: Any) -> dict[str, Any]:
+    """Per-prompt generations {mode: Generation} of a sampled pass -> {temperature, top_p, top_k, modes:
+    {mode: pooled τ ± SE, tokens/s, speed-up over AR ± SE (paired by prompt), acceptance by position}}."""
+    by_mode = {mode: [r[mode] for r in runs] for mode in runs[0]}
+    ar = pooled(by_mode["ar"])
+    modes = {}
+    for mode, generations in by_mode.items():
+        p = pooled(generations)
+        modes[mode] = {key: p[key] for key in ("acceptance_length", "acceptance_length_se", "tokens_per_s", "rounds",
+                                               "new_tokens", "mean_drafts_per_round", "tree_round_share",
+                                               "tree_side_win_share")}
+        modes[mode]["speedup"] = p["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+        modes[mode]["speedup_se"] = speedup_standard_error(generations, by_mode["ar"]) if mode != "ar" else None
+        modes[mode]["acceptance_by_position"] = acceptance_by_position(generations) if mode != "ar" else None
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "n_prompts": len(runs), "modes": modes}

@@ -1,7 +1,9 @@
 """The `evaluate` stage: AR vs prompt lookup vs head-off vs Domino decoding on prompt suites, in one run.
 
-For every prompt of every suite the four modes run back to back (AR, ngram, head off, Domino)
-with the same sampling seed, so machine drift hits all alike. All share one target, prepared once
+For every prompt of every suite the modes run back to back (AR, ngram, head off, Domino as
+configured, and with the head: the Domino chain when `engine.tree_width` > 1, and DominoTree) with
+the same sampling seed, so machine drift hits all alike. With `evaluate.sampled_temperature` a second
+pass runs AR, Domino and DominoTree at that temperature (seeds fixed), each suite's `sampled` entry. All share one target, prepared once
 for the `engine:` params (packed linears: the AR baseline gets the verify forward's kernels).
 Outputs:
 
@@ -35,10 +37,11 @@ from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
 from dominospec.engine.configure import engine_options, prepare_target, sampling_from
 from dominospec.engine.policy import choose_k, choose_tree
+from dominospec.engine.tree_policy import choose_nodes
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
-from dominospec.eval.report import HEAD, NGRAM, NO_HEAD, suite_report
+from dominospec.eval.report import CHAIN, HEAD, NGRAM, NO_HEAD, TREE, sampled_report, suite_report
 from dominospec.target import float32_matmul
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
@@ -79,6 +82,9 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
                NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
         engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)
+        if options.tree_width > 1:  # the first-token tree's own chain, for comparison
+            engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, dataclasses.replace(options, tree_width=1))
+        engines[TREE] = SpecEngine(target, draft, TREE, cfg.num_draft, options)
     loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
     empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
@@ -93,6 +99,7 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         engine.generate(suites[0].prompts[0], min(8, cfg.max_new_tokens), sampling, seed=cfg.seed)
     report: dict[str, Any] = {
         "suites": {s.name: run_suite(s, engines, spec_mode, sampling, cfg, draft) for s in suites},
+        "sampled_temperature": None,
         "empty_suites": empty,
         "spec_mode": spec_mode,
         "device": str(target.device),
@@ -115,6 +122,12 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         "tau": TAU_DEFINITION,
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
+    sampled = second_sampling(cfg, sampling) if TREE in engines else None
+    if sampled is not None:  # AR, Domino (a chain under sampling) and DominoTree at the suite's sampling setting
+        report["sampled_temperature"] = sampled.temperature
+        modes = {m: engines[m] for m in ("ar", HEAD, TREE)}
+        for suite in suites:
+            report["suites"][suite.name]["sampled"] = run_sampled(suite, modes, sampled, cfg)
     out_path = Path(out) if out else Path(params.paths.metrics) / "eval.json"
     plots_dir = out_path.parent / f"{out_path.stem}_plots" if out else Path(params.paths.plots)
     write_json(out_path, report)
@@ -128,6 +141,9 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         if suite.get("speedup_over_ngram") is not None:
             print(f"{name}: {report['spec_mode']} over ngram {_fmt(suite['speedup_over_ngram'])} "
                   f"± {_fmt(suite['speedup_over_ngram_se'])} (paired by prompt)")
+        for mode, m in suite.get("sampled", {}).get("modes", {}).items():
+            print(f"{name} {mode} at T = {report['sampled_temperature']}: τ {_fmt(m['acceptance_length'])} ± "
+                  f"{_fmt(m['acceptance_length_se'])}, speedup {_fmt(m['speedup'])} ± {_fmt(m['speedup_se'])}")
         for mode, w in suite.get("walk", {}).items():
             if isinstance(w, dict):
                 print(f"{name} {mode}: walk τ at K = {suite['walk']['num_draft']} "
@@ -139,12 +155,14 @@ TAUS = (1.5, 2.0, 3.0)
 
 
 def calibrate_together(engines: dict[str, SpecEngine], spec_mode: str, prompt: Any) -> None:
-    """Auto-K engines measure their round cost on the first prompt: the spec mode's engine in full,
-    the others taking its verify and draft forward costs and measuring only their own rollout, so the
-    modes compared prompt by prompt choose their shapes from one measurement of the machine."""
-    lead = engines[spec_mode]
-    if not lead.auto:
+    """Auto-K engines measure their round cost on the first prompt: the draft engine that verifies the
+    most rows (the spec mode's on a tie) in full, the others taking its verify and draft forward costs
+    and measuring only their own rollout (or tree), so the modes compared prompt by prompt choose their
+    shapes from one measurement of the machine."""
+    drafting = [e for e in engines.values() if e.auto and e.draft is not None]
+    if not drafting:
         return
+    lead = max(drafting, key=lambda e: (e.max_verify, e is engines[spec_mode]))
     ids = torch.as_tensor(prompt).reshape(-1).tolist()
     lead.calibrate(ids)
     for engine in engines.values():
@@ -178,11 +196,39 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         if engine.forking:  # the (W, K_d, K_l) a full lookup would get now
             record["fork"] = {"k_at_end": list(choose_tree(cost, engine.acceptance.survival(), survival, k_max,
                                                            engine.lookup_k_max, ranks, engine.tree_width))}
+    if engine.mode == TREE:  # DominoTree: the tree's survival by budget at the end, and the budget it gives
+        survival = engine.tree_model.survival()
+        record["dominotree"] = {"expected_tokens_by_nodes": [1.0 + sum(s) for s in survival],
+                                "nodes_at_end": choose_nodes(cost, survival, [], engine.tree_nodes, 0)[0]}
     if engine.tree_width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
         record["tree"] = {"rank_share_estimate_at_end": ranks,
                           "k_at_end": list(choose_tree(cost, engine.acceptance.survival(), [], k_max, 0,
                                                        ranks, engine.tree_width))}
     return record
+
+
+def second_sampling(cfg: EvaluateParams, sampling: Sampling) -> Optional[Sampling]:
+    """evaluate.sampled_temperature -> the second pass's Sampling (top-p, top-k as the first's); None
+    when it is off or the same as the first pass."""
+    if cfg.sampled_temperature is None:
+        return None
+    if cfg.sampled_temperature <= 0:
+        raise UserError(f"evaluate.sampled_temperature must be > 0 (null = no sampled pass), got {cfg.sampled_temperature}")
+    second = Sampling(temperature=cfg.sampled_temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    return None if second == sampling else second
+
+
+def run_sampled(suite: Suite, engines: dict[str, SpecEngine], sampling: Sampling, cfg: EvaluateParams) -> dict[str, Any]:
+    """Every prompt through AR, Domino and DominoTree at `sampling`, interleaved, seed i for prompt i
+    -> the suite's `sampled` entry (eval.report.sampled_report)."""
+    runs = []
+    for i, ids in enumerate(suite.prompts):
+        runs.append({mode: engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed + i)
+                     for mode, engine in engines.items()})
+        tree = runs[-1][TREE].stats
+        print(f"[{suite.name} T={sampling.temperature} {i + 1}/{len(suite.prompts)}] τ {_fmt(tree.acceptance_length)} "
+              f"(dominotree), {_fmt(runs[-1][HEAD].stats.acceptance_length)} (domino)", flush=True)
+    return sampled_report(runs, sampling)
 
 
 def tree_shares(engine: SpecEngine) -> list[float]:
@@ -227,7 +273,9 @@ def log_run(params: Params, report: dict[str, Any], artifacts: list[Path]) -> No
     metrics = {}
     for suite, entry in report["suites"].items():
         walk = {f"walk/{m}/{k}": v for m, w in entry.get("walk", {}).items() if isinstance(w, dict) for k, v in w.items()}
-        flat = {**entry, **walk, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()},
+        sampled = {f"sampled/{mode}/{k}": v for mode, m in entry.get("sampled", {}).get("modes", {}).items()
+                   for k, v in m.items()}
+        flat = {**entry, **walk, **sampled, **{f"cost_ms/{k}": v for k, v in entry["cost_ms"].items()},
                 **{f"{mode}/{k}": v for mode, m in entry["modes"].items() for k, v in m.items()}}
         numeric = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         metrics.update({f"{suite}/{k}": float(v) for k, v in numeric.items()})

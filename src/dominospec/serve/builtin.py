@@ -3,7 +3,7 @@
 `run_builtin(params, host, port)`:
   1. binds the socket first (a busy port fails before the models load; port 0 = any free port,
      the line below names the one taken);
-  2. loads the target (`params.target`) and, in modes dflash / domino, the draft from
+  2. loads the target (`params.target`) and, in modes dflash / domino / dominotree, the draft from
      `draft_dir(params.paths)` (the export, else checkpoints/final), refused when it was made for
      another target; builds a `SpecEngine` with K = `serve.num_draft` (null: B-1);
   3. starts the engine worker thread, prints one line
@@ -141,9 +141,9 @@ def static_info(params: Params, engine: Any, name: str, path: Any, auth: bool) -
         "started": int(time.time()),
         "served_model_name": name,
         "mode": cfg.mode,
-        "speculative_algorithm": "DFLASH" if spec else None,
-        # SGLang's meaning: the verify window, anchor/bonus slot included (K + 1; = B by default)
-        "speculative_num_draft_tokens": engine.num_draft + 1 if spec else None,
+        "speculative_algorithm": ("DOMINOTREE" if cfg.mode == "dominotree" else "DFLASH") if spec else None,
+        # SGLang's meaning: the verify window, anchor/bonus slot included (K + 1; = B by default; a tree's N + 1)
+        "speculative_num_draft_tokens": (engine.tree_nodes or engine.num_draft) + 1 if spec else None,
         "block_size": engine.block_size if spec else None,
         "num_draft": engine.num_draft if spec else None,
         "target": engine.target.identity.as_dict(),

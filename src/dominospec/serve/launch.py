@@ -5,7 +5,7 @@ Backends (`serve.backend`, or `--backend`):
            sglang.py); needs the `sglang` package (`pip install -e .[serve]`), a CUDA device and an
            HF target. It serves the draft as exported: `serve.mode` must be domino.
   builtin  dominospec's engine behind the same API subset (builtin.py): any machine, any target,
-           modes domino | dflash | ar.
+           modes domino | dominotree | dflash | ar.
   auto     sglang when the package is importable, CUDA is available and `serve.mode` is domino;
            else builtin.
 Host and port default to `serve.host` / `serve.port`. With SGLang the key in `serve.api_key_env`
