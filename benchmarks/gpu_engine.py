@@ -24,6 +24,9 @@ every mode runs in turn (interleaved, so all see the same machine drift):
                   two branches of one forward, engine.fork)
     domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
                   as W branches, each drafted on, engine.branches)
+    dominotree+fork  SpecEngine "dominotree" (`--tree-nodes` N best-first nodes, `--tree-children` a node,
+                  engine.domino_tree) with ngram_assist and ngram_fork; under auto-K it verifies the best
+                  n <= N nodes a round
     ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
                   verify / AR step and the draft block replay captured graphs), transformers' forward;
                   "ar graphs" is its CUDA-graph AR. Each is checked token for token against eager `ar`,
@@ -70,10 +73,10 @@ from typing import Any, Callable, Optional
 import torch
 
 BENCH = Path(__file__).resolve().parent
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree",
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree", "dominotree+fork",
          "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
-         "domino+tree graphs", "ar lean", "ngram lean", "dflash lean", "domino lean", "domino+ngram lean",
-         "domino+fork lean", "domino+tree lean")
+         "domino+tree graphs", "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "domino lean",
+         "domino+ngram lean", "domino+fork lean", "domino+tree lean", "dominotree+fork lean")
 GRAPHED = ("ar lean", "ar graphs")  # our CUDA-graph AR (the lean decoder's when it ran): the baseline of the graph'd modes
 TAUS = (2, 3, 4, 5)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -267,6 +270,10 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             "domino+tree" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
                                                                    tree_width=args.tree_width)),
+            "dominotree+fork" + suffix: SpecEngine(target, draft, "dominotree", args.num_draft,
+                                                   dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
+                                                                       tree_nodes=args.tree_nodes,
+                                                                       tree_children=args.tree_children)),
         })
     wanted = set(args.modes.split(",")) | {args.reference, "graph ar"}
     if any(m.endswith(" graphs") for m in wanted):
@@ -669,6 +676,8 @@ def main() -> None:
                         help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
     parser.add_argument("--tree-width", type=int, default=4, help="domino+tree: the draft's W best first tokens as W branches")
+    parser.add_argument("--tree-nodes", type=int, default=28, help="dominotree+fork: the best-first tree's node budget N")
+    parser.add_argument("--tree-children", type=int, default=4, help="dominotree+fork: children offered per expansion")
     parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (the reference and graph ar always run)")
     parser.add_argument("--reference", default="ar", help="the mode every other is checked against token for token "
