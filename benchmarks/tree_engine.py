@@ -3,8 +3,11 @@
 One run on this machine, every prompt through every mode back to back (interleaved): the Domino
 chain (K drafts, K + 1 verify rows), the first-token tree (`engine.tree_width` W: the W best first
 tokens, each drafted on: 1 + W·K rows) and DominoTree (`dominotree`, N nodes best first: 1 + N rows,
-N = W·K by default, so both trees verify the same rows). Fixed shapes (no auto-K, no prompt
-lookup), so τ does not depend on the machine's load; tokens/s are against AR in the same run.
+N = W·K by default, so both trees verify the same rows). Fixed shapes by default (no auto-K, no
+prompt lookup), so τ does not depend on the machine's load; tokens/s are against AR in the same
+run. `--num-draft auto` lets each mode choose its shape every round from one calibration of this
+machine's costs (evaluate's rule): the chain its K, the first-token tree its width and K, DominoTree
+how many of its best nodes to verify; the rows column then gives the most a round may verify.
 Greedy modes are checked token for token against AR; at `--temperature` T > 0 the chain and
 DominoTree run with the same seeds (their τ compared; losslessness is tests/engine/test_domino_tree.py's).
 
@@ -31,6 +34,7 @@ def main() -> None:
     from dominospec.engine.configure import engine_options, prepare_target
     from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import speedup_standard_error, tau_standard_error
+    from dominospec.eval.stage import calibrate_together
     from dominospec.target import float32_matmul, load_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=None, help="DominoTree's N (default W·K: the same rows)")
     parser.add_argument("--children", type=int, default=4, help="DominoTree's children per expansion")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled pass (0: none)")
+    parser.add_argument("--num-draft", default=None, help="auto: auto-K / auto-budget (default: fixed K = B - 1, all N nodes)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the per-mode numbers here (JSON)")
     args = parser.parse_args()
@@ -54,11 +59,12 @@ def main() -> None:
                                tree_width=1)
     K = int(draft.config.block_size) - 1
     nodes = args.nodes or args.width * K
+    k = "auto" if args.num_draft == "auto" else K
     engines = {
         "ar": SpecEngine(target, None, "ar", None, base),
-        "chain": SpecEngine(target, draft, "domino", K, base),
-        f"first-token W={args.width}": SpecEngine(target, draft, "domino", K, dataclasses.replace(base, tree_width=args.width)),
-        f"DominoTree N={nodes}": SpecEngine(target, draft, "dominotree", K, dataclasses.replace(
+        "chain": SpecEngine(target, draft, "domino", k, base),
+        f"first-token W={args.width}": SpecEngine(target, draft, "domino", k, dataclasses.replace(base, tree_width=args.width)),
+        f"DominoTree N={nodes}": SpecEngine(target, draft, "dominotree", k, dataclasses.replace(
             base, tree_nodes=nodes, tree_children=args.children)),
     }
     rows = {"ar": 1, "chain": K + 1, f"first-token W={args.width}": 1 + args.width * K, f"DominoTree N={nodes}": 1 + nodes}
@@ -66,11 +72,13 @@ def main() -> None:
     if args.temperature > 0:
         passes.append((f"T={args.temperature}", Sampling(temperature=args.temperature)))
     results = []
-    print(f"| suite | sampling | mode | verify rows | τ ± SE | exact | × AR ± SE |\n|---|---|---|---|---|---|---|", flush=True)
+    print("| suite | sampling | mode | verify rows | τ ± SE | exact | × AR ± SE |\n|---|---|---|---|---|---|---|", flush=True)
     with float32_matmul("highest"), torch.inference_mode():
         for spec in params.evaluate.suites:
             suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts,
                                params.evaluate.max_prompt_tokens)
+            if k == "auto" and engines["chain"].cost is None:  # one measurement of the machine for every mode
+                calibrate_together(engines, "chain", suite.prompts[0])
             for name, engine in engines.items():  # warm-up: first calls allocate and pick kernels
                 engine.generate(suite.prompts[0], 8)
             for label, sampling in passes:
@@ -79,6 +87,7 @@ def main() -> None:
                 for i, prompt in enumerate(suite.prompts):
                     for m, engine in modes.items():
                         runs[m].append(engine.generate(prompt, args.new_tokens, sampling, seed=params.evaluate.seed + i))
+                    print(f"[{suite.name} {label} {i + 1}/{len(suite.prompts)}]", flush=True)
                 for m, gens in runs.items():
                     tau = sum(g.stats.round_tokens for g in gens) / sum(g.stats.rounds for g in gens)
                     tok_s = sum(g.stats.new_tokens for g in gens) / sum(g.stats.total_s for g in gens)

@@ -517,12 +517,9 @@ class SpecEngine:
         prompt-lookup tokens to verify; (1, 0, []) is a plain step. Lookups first (`ngram` mode,
         ngram_assist): a hit replaces the draft, or, forking (greedy), is verified beside it. Greedy
         rounds may branch (`tree_width`). Auto-K chooses (W, K, L) together when the round may branch."""
-        lookup: list[int] = []
-        fork = greedy and self.forking
-        if state.index is not None:
-            lookup = state.index.propose(min(self.lookup_k_max if fork else self._choose_k(lookup=True), room))
-            if lookup and not fork:
-                return 1, 0, lookup
+        lookup, fork = self._lookup(state, room, greedy)
+        if lookup and not fork:
+            return 1, 0, lookup
         if self.draft is None:
             return 1, 0, lookup
         kd, width = min(self.num_draft, room), self.tree_width if greedy else 1
@@ -534,6 +531,14 @@ class SpecEngine:
         W, K, L = choose_tree(self.cost, chain, self.lookup_acceptance.survival() if lookup else [], kd, len(lookup),
                               self.ranks.shares(chain[0]) if width > 1 else [], width)
         return W, K, lookup[:L]
+
+    def _lookup(self, state, room: int, greedy: bool) -> tuple[list[int], bool]:
+        """-> (the prompt-lookup tokens this round may verify, [] without a hit or lookups; whether they
+        are verified beside the draft (forking, greedy) rather than instead of it)."""
+        fork = greedy and self.forking
+        if state.index is None:
+            return [], fork
+        return state.index.propose(min(self.lookup_k_max if fork else self._choose_k(lookup=True), room)), fork
 
     def _choose_k(self, lookup: bool = False) -> int:
         """K_max, or auto-K's choice from the measured cost and the recent acceptance, for the

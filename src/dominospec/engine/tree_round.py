@@ -38,12 +38,9 @@ if TYPE_CHECKING:
 def plan_tree(engine: "SpecEngine", state, room: int, greedy: bool) -> tuple[int, int, list[int]]:
     """-> (n, K, lookup): the best n nodes of a tree of depth K (n = K = 0: no draft forward) and the
     prompt-lookup tokens to verify beside them."""
-    lookup: list[int] = []
-    fork = greedy and engine.forking
-    if state.index is not None:
-        lookup = state.index.propose(min(engine.lookup_k_max if fork else engine._choose_k(lookup=True), room))
-        if lookup and not fork:
-            return 0, 0, lookup
+    lookup, fork = engine._lookup(state, room, greedy)
+    if lookup and not fork:
+        return 0, 0, lookup
     K = min(engine.num_draft, room)
     if K == 0:
         return 0, 0, lookup
