@@ -13,7 +13,7 @@ events there cost 0.1-0.6 ms a step on the H200's sandboxed host).
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -65,3 +65,17 @@ class PhaseClock:
             self.pool.extend(self.marks)
             self.marks.clear()
         return dict(self.totals)
+
+
+def book_phases(clock: PhaseClock, stats: Any, marks: tuple, host: tuple, drafted: bool) -> None:
+    """A round's clock marks (t0 draft t1 rollout t2 verify t3) and host marks (plan | launch | wait |
+    commit) -> its phase times in `clock`, the host's in `stats.host_s` (engine.stats); `drafted`: it
+    verified at least one draft (a draft round)."""
+    t0, t1, t2, t3 = marks
+    clock.add("draft", t0, t1)
+    clock.add("rollout", t1, t2)
+    clock.add("verify", t2, t3)
+    if drafted:
+        clock.add("draft_round", t0, t3)
+    for phase, a, b in zip(("plan", "launch", "wait", "commit"), host, host[1:]):
+        stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)

@@ -60,7 +60,7 @@ from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.branches import draft_branches
-from dominospec.engine.clock import PhaseClock
+from dominospec.engine.clock import PhaseClock, book_phases
 from dominospec.engine.domino_tree import TreeGrower
 from dominospec.engine.fork import MAX_TREE_ROWS, accept_branches, branch_tree
 from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
@@ -669,19 +669,6 @@ class SpecEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-
-def book_phases(clock: PhaseClock, stats: GenerationStats, marks: tuple, host: tuple, drafted: bool) -> None:
-    """A round's clock marks (t0 draft t1 rollout t2 verify t3) and host marks (plan | launch | wait |
-    commit) -> its phase times; `drafted`: it verified at least one draft (a draft round)."""
-    t0, t1, t2, t3 = marks
-    clock.add("draft", t0, t1)
-    clock.add("rollout", t1, t2)
-    clock.add("verify", t2, t3)
-    if drafted:
-        clock.add("draft_round", t0, t3)
-    for phase, a, b in zip(("plan", "launch", "wait", "commit"), host, host[1:]):
-        stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)
 
 
 def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from dominospec.engine.clock import book_phases
 from dominospec.engine.sampling import Sampling, first_mismatch
 from dominospec.engine.tree_accept import GreedyWalk, accept_sampled_tree
 from dominospec.engine.tree_policy import choose_nodes
@@ -54,8 +55,6 @@ def plan_tree(engine: "SpecEngine", state, room: int, greedy: bool) -> tuple[int
 def tree_round(engine: "SpecEngine", state, tokens: list[int], start: int, budget: int, sampling: Sampling,
                generator: Optional[torch.Generator], stats: "GenerationStats") -> tuple[int, Optional[str]]:
     """The round (module docstring) -> (tokens committed, finish reason)."""
-    from dominospec.engine.spec import book_phases
-
     room = budget - len(tokens) - 1
     h0 = time.perf_counter()
     x_start = torch.tensor([tokens[-1]], device=engine.device)
