@@ -23,11 +23,11 @@ ties). Every one of them is also among the N best of its own depth. So the tree 
 depth: the frontier at depth d is the (at most) N best children of the frontier at depth d - 1,
 scored in one batch of F <= N rows (one GRU step, one correction over the pool); the tree is then
 the N best of all K frontiers. K batched steps instead of N sequential ones, with shapes fixed by
-(K, N, children): on CUDA the whole build is one graph (`TreeGraphs`), no host work per node.
+(K, N, children): on CUDA the whole build is one graph (`TreeGrower`), no host work per node.
 
 The nodes come out best first (a stable sort: on equal scores the shallower first), so every
 prefix of them is itself a tree (a parent always precedes its children): the best n <= N nodes are
-the tree of budget n, which is how auto-K verifies fewer rows than it grew (engine.policy.TreeModel),
+the tree of budget n, which is how auto-K verifies fewer rows than it grew (engine.tree_policy),
 and how it learns, from one verified tree, what every smaller budget would have accepted.
 
 The verify rows (`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at
