@@ -24,6 +24,7 @@ import dataclasses
 import json
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ def main() -> None:
     from dominospec.config import load_params
     from dominospec.engine import Sampling, SpecEngine, load_draft
     from dominospec.engine.configure import engine_options, prepare_target
+    from dominospec.files import sha256_file
     from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import speedup_standard_error, tau_standard_error
     from dominospec.eval.stage import calibrate_together
@@ -104,7 +106,9 @@ def main() -> None:
                           flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"results": results, "args": vars(args), "date": time.strftime("%Y-%m-%d"),
+            record = {**vars(args), "draft": Path(args.draft).name}  # the draft by name and weights, not by where it lay
+            json.dump({"results": results, "args": record, "draft_sha256": sha256_file(Path(args.draft) / "model.safetensors"),
+                       "date": time.strftime("%Y-%m-%d"),
                        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()}, f, indent=1)
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.rollout import candidate_pool
+from dominospec.engine.rollout import candidate_pool, pooled_head
 
 
 def first_tokens(u0: torch.Tensor, width: int) -> torch.Tensor:
@@ -81,9 +81,7 @@ def draft_branches(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_sta
     if not head:
         return tokens
     cand = candidate_pool(base_logits, P, pool_size)
-    w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
-    if cand is not None:
-        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)  # [M, r], [K, M]: once per block
+    w2, scored_base = pooled_head(draft, base_logits, cand)  # [M, r], [K, M] (pool) or [V, r], [K, V]
     zeros = z.new_zeros(1, draft.config.gru_hidden_dim)
     state = draft.gru_step(embed_tokens(x_start), zeros).expand(width, -1)  # s_0 [W, G]: x_start consumed
     state = draft.gru_step(embed_tokens(tokens[:, 0]), state)  # s_1: each branch's first token consumed

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.engine.fork import Tree
-from dominospec.engine.rollout import candidate_pool
+from dominospec.engine.rollout import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
 
 
@@ -95,9 +95,7 @@ def grow_tree(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: t
     K, V = base_logits.shape
     P = int(draft.config.pure_draft_prefix_len)
     cand = candidate_pool(base_logits, P, pool_size)  # [M] or None: the corrected slots score only these
-    w2, scored_base = draft.embed_proj[2].weight, base_logits  # [V, r], [K, V]
-    if cand is not None:
-        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)  # [M, r], [K, M]
+    w2, scored_base = pooled_head(draft, base_logits, cand)  # [M, r], [K, M] (pool) or [V, r], [K, V]
     state = draft.gru_step(embed_tokens(x_start), z.new_zeros(1, draft.config.gru_hidden_dim))  # s_0 [1, G]
     score = torch.zeros(1, dtype=torch.promote_types(base_logits.dtype, torch.float32), device=z.device)  # frontier's log q [F]
     levels = []  # per depth d = 1..K: (tokens [F_d], scores [F_d], parent index in frontier d - 1 [F_d])

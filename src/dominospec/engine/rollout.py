@@ -56,6 +56,16 @@ def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Opt
     return torch.topk(best, pool_size, sorted=False).indices  # [M], in no order: the set is what counts (1.4x faster)
 
 
+def pooled_head(draft: Any, base_logits: torch.Tensor, cand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's W2 [V, r] and the base logits u [K, V] restricted to the pool `cand` [M] (None: the full
+    vocabulary) -> ([M, r], [K, M]), gathered once per block (index_select: a tenth of an advanced
+    index's time on CPU). Row m scores token cand[m]."""
+    w2 = draft.embed_proj[2].weight
+    if cand is None:
+        return w2, base_logits
+    return w2.index_select(0, cand), base_logits.index_select(1, cand)
+
+
 def draft_chain(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
                 sampling: Sampling, generator: Optional[torch.Generator], head: bool, pool_size: int,
                 confidence: bool = True, kernels: Any = None, graphs: Any = None) -> DraftChain:
@@ -111,11 +121,7 @@ class _Steps(NamedTuple):
 def _torch_steps(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
                  cand: Optional[torch.Tensor]) -> _Steps:
     """The head as the model's torch ops."""
-    w2 = draft.embed_proj[2].weight  # [V, r]
-    scored_base = base_logits
-    if cand is not None:
-        # [M, r], [K, M]: gathered once per block (index_select: a tenth of an advanced index's time on CPU)
-        w2, scored_base = w2.index_select(0, cand), base_logits.index_select(1, cand)
+    w2, scored_base = pooled_head(draft, base_logits, cand)
 
     def score(j: int, state: torch.Tensor) -> torch.Tensor:
         mid = draft.correction_hidden(z[j][None], state)  # [1, r]
