@@ -8,9 +8,10 @@ library function, `fn(params: Params) -> None`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from dominospec.config import Params, load_params
 from dominospec.errors import UserError
@@ -26,7 +27,7 @@ STAGES: dict[str, str] = {
 }
 
 
-def _resolve(spec: str) -> Callable[[Params], None]:
+def _resolve(spec: str) -> Callable[..., Any]:
     module, fn = spec.split(":")
     return getattr(importlib.import_module(module), fn)
 
@@ -53,6 +54,29 @@ def stage_main(stage: str, argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
     return _run(lambda: run_stage(stage, args.params))
+
+
+def serve(params: Params, host: Optional[str] = None, port: Optional[int] = None, backend: Optional[str] = None,
+          champion: bool = True) -> None:
+    """`dominospec serve`: the backend is checked first (a launch that cannot run fails before the registry is
+    read), then the draft is chosen (`with_champion`, unless `champion` is False or serve.mode is ar, which serves
+    the target alone), then dominospec.serve.launch serves it. Here, because serve sits below retrain."""
+    chosen = _resolve("dominospec.serve.launch:resolve_backend")(backend or params.serve.backend, params.serve.mode,
+                                                                 params.target)
+    if champion and params.serve.mode != "ar":
+        params = with_champion(params)
+    _resolve("dominospec.serve.launch:serve")(params, host=host, port=port, backend=chosen)
+
+
+def with_champion(params: Params) -> Params:
+    """Params -> the same params with `paths.draft` at the registry's champion draft (retrain.registered_model,
+    alias `champion`, set by `dominospec retrain`), when there is one; says which draft is served."""
+    champion = _resolve("dominospec.retrain.registry:champion_draft")(params)
+    if champion is None:
+        print(f"serving {params.paths.draft} (no champion in the registry {params.mlflow.tracking_uri})", flush=True)
+        return params
+    print(f"serving {champion.model} version {champion.version} (champion) from {champion.path}", flush=True)
+    return dataclasses.replace(params, paths=dataclasses.replace(params.paths, draft=str(champion.path)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -99,7 +123,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         generate = _resolve("dominospec.eval.generate:generate")
         return _run(lambda: generate(load_params(args.params), args.prompt, args.mode))
     if args.command == "serve":
-        serve = _resolve("dominospec.serve.launch:serve")
         return _run(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend,
                                   champion=not args.no_champion))
     if args.command == "retrain":

@@ -5,7 +5,7 @@ import hashlib
 from pathlib import Path
 
 from dominospec.retrain.job import retrain
-from dominospec.serve.launch import with_champion
+from dominospec.cli import with_champion
 
 
 def test_serve_picks_the_champion(workspace, registry, capsys):

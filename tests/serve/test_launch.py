@@ -2,8 +2,9 @@
 
 - `sglang_command` gives the exact argv for an HF target (the Qwen3-8B preset), in order, and
   refuses a GGUF target (the embedded default), a missing draft and a non-bf16 Domino target.
-- `resolve_backend`: auto falls back to builtin where SGLang cannot run; an explicit sglang there,
-  or with a built-in-only mode, is a UserError (exit code 2 from the CLI).
+- `resolve_backend`: auto falls back to builtin where SGLang cannot run or cannot load the target
+  (GGUF); an explicit sglang there, or with a built-in-only mode, is a UserError (exit code 2 from
+  the CLI).
 - serve params are range-checked naming the key.
 Run: python -m pytest tests/serve/test_launch.py -q
 """
@@ -22,7 +23,8 @@ from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.serve import resolve_backend
 from dominospec.serve.builtin import check_serve_params
-from dominospec.serve.sglang import printable, sglang_available, sglang_command
+from dominospec.export.sglang_launch import printable, sglang_command
+from dominospec.serve.sglang import sglang_available
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,6 +104,8 @@ def test_backend_choice():
         with pytest.raises(UserError, match="needs the `sglang` package"):
             resolve_backend("sglang", "domino")
     assert resolve_backend("auto", "dflash") == "builtin"
+    gguf = load_params(REPO / "params.yaml").target  # SGLang cannot load a GGUF target: auto serves it built-in
+    assert resolve_backend("auto", "domino", gguf) == "builtin"
     with pytest.raises(UserError, match="built-in only"):
         resolve_backend("sglang", "ar")
 

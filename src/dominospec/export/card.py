@@ -22,10 +22,10 @@ MAX_LIST = 32  # longer lists are summarised by their length
 
 
 def sglang_lines(params: Params, exported: dict[str, Any]) -> list[str]:
-    """-> the card's SGLang launch (built by `dominospec.serve.sglang`, as `make serve` runs it), or why
+    """-> the card's SGLang launch (built by `dominospec.export.sglang_launch`, as `make serve` runs it), or why
     SGLang cannot serve this target as configured."""
     from dominospec.errors import UserError
-    from dominospec.serve.sglang import launch_argv, printable
+    from dominospec.export.sglang_launch import launch_argv, printable
 
     try:
         argv = launch_argv(params, exported, params.serve.host, params.serve.port)

@@ -5,7 +5,7 @@ Domino head); elsewhere the built-in server answers the same OpenAI-compatible s
 dominospec's own engine (lossless: greedy answers equal the target's own greedy decoding).
 
   launch.py     choose the backend, then exec SGLang or run the built-in server
-  sglang.py     the SGLang command line
+  sglang.py     whether SGLang can run here, and exec into it (its command line: export.sglang_launch)
   builtin.py    load target + draft, bind, run uvicorn
   app.py        the routes
   service.py    request -> checks -> queued job -> JSON answer or SSE stream
