@@ -24,6 +24,8 @@ STAGES: dict[str, str] = {
     "train": "dominospec.train.stage:train",
     "export": "dominospec.export.stage:export",
     "evaluate": "dominospec.eval.stage:evaluate",
+    "serve_eval": "dominospec.eval.serve_stage:serve_eval",
+    "headline": "dominospec.eval.headline:headline",
 }
 
 

@@ -207,6 +207,23 @@ class EvaluateParams:
 
 
 @dataclass(frozen=True)
+class ServeEvalParams:
+    """The `serve_eval` stage: `make serve`'s backend started on paths.draft, measured over HTTP (eval.serve_stage)."""
+
+    max_prompts: int  # per suite of evaluate.suites, in file order (the offline evaluation's first prompts)
+    max_new_tokens: int  # per request
+    startup_timeout_s: float  # the server must answer GET /health within this many seconds of its start
+    stop_timeout_s: float  # seconds between SIGTERM and SIGKILL when the server is stopped
+
+
+@dataclass(frozen=True)
+class HeadlineParams:
+    """The `headline` stage: a few numbers per suite from eval.json and serve_eval.json (eval.headline)."""
+
+    digits: int  # decimals the numbers are rounded to
+
+
+@dataclass(frozen=True)
 class ServeParams:
     """`dominospec serve` / `make serve`: SGLang on a CUDA host, else the built-in server (same API subset)."""
 
@@ -260,6 +277,8 @@ class Params:
     export: ExportParams
     engine: EngineParams
     evaluate: EvaluateParams
+    serve_eval: ServeEvalParams
+    headline: HeadlineParams
     serve: ServeParams
     retrain: RetrainParams
     mlflow: MlflowParams

@@ -29,7 +29,7 @@ The bearer key, when `$<serve.api_key_env>` (DOMINOSPEC_API_KEY) is set, goes in
    "max_new_tokens", "temperature", "top_p", "top_k", "tau": definition,
    "server_info": {"avg_spec_accept_length_before": x | null, "avg_spec_accept_length_after": y | null},
    "empty_suites": {name: why},
-   "suites": {name: {"c1": LEVEL, "cN": LEVEL}}}
+   "suites": {name: {"c1": LEVEL, "cN": LEVEL}}, **extra}
   LEVEL = {"concurrency", "n_requests", "errors", "first_error", "completion_tokens", "prompt_tokens",
            "meta_info_requests" (answers carrying meta_info), "meta_completion_tokens", "spec_verify_ct",
            "acceptance_length", "wall_s",
@@ -59,8 +59,9 @@ TAU_DEFINITION = "pooled: sum meta_info.completion_tokens / sum meta_info.spec_v
 
 
 def evaluate_server(params: Params, url: str, out: Optional[str] = None, prompts: Optional[str] = None,
-                    concurrency: Optional[int] = None) -> dict[str, Any]:
-    """Params + server URL (+ prompts JSONL, output path, concurrency) -> the serve_eval.json document (written)."""
+                    concurrency: Optional[int] = None, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Params + server URL (+ prompts JSONL, output path, concurrency, keys added to the report) -> the
+    serve_eval.json document (written)."""
     from dominospec.files import write_json
 
     cfg = params.evaluate
@@ -92,6 +93,7 @@ def evaluate_server(params: Params, url: str, out: Optional[str] = None, prompts
         "concurrency": levels, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "tau": TAU_DEFINITION, "empty_suites": empty, "suites": results,
         "server_info": {"avg_spec_accept_length_before": before, "avg_spec_accept_length_after": after},
+        **(extra or {}),
     }
     out_path = Path(out) if out else Path(params.paths.metrics) / "serve_eval.json"
     write_json(out_path, report)

@@ -1,0 +1,8 @@
+"""DVC stage `headline`: see dominospec.cli.STAGES['headline']."""
+
+import sys
+
+from dominospec.cli import stage_main
+
+if __name__ == "__main__":
+    sys.exit(stage_main("headline"))

@@ -1,0 +1,8 @@
+"""DVC stage `serve_eval`: see dominospec.cli.STAGES['serve_eval']."""
+
+import sys
+
+from dominospec.cli import stage_main
+
+if __name__ == "__main__":
+    sys.exit(stage_main("serve_eval"))
