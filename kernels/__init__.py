@@ -2,7 +2,6 @@
 
 - gru_cell: fused bias-free GRU cell; token id on device, input gates from a [V, 3G] table or a GEMV.
 - correction_argmax: SiLU(h) · W2ᵀ + base logits, split-vocabulary argmax (+ logsumexp); candidate pool.
-- correction_sample: the same scores as a full fp32 row + logsumexp pieces, for lossless sampling.
 - head_rollout: the whole greedy K-step rollout on device (CUDA-graph capturable).
 - pool_select: the candidate pool (top-M of the max over rows) as a radix select in four launches, ids ascending.
 

@@ -1,13 +1,13 @@
 """The Domino head's greedy rollout of W branches of one block (a draft tree), on device, no host sync.
 
 Inputs as `head_rollout`: z [K, H], base logits u [K, V], x_start [1]; plus the branches' first
-tokens first [W] (engine.branches: the W most likely tokens of u_0, best first). Branch w is
+tokens first [W] (engine.draft_head: the W most likely tokens of u_0, best first). Branch w is
 
     d^w_1 = first[w];   d^w_{j+1} = argmax u_j          (pure draft slots, 1 <= j < P)
     d^w_{j+1} = argmax( u_j + W2 · SiLU(W1 · [z_j ; s^w_j]) )   (j >= P)
     s^w_j = GRU state after [x_start, d^w_1 .. d^w_j]
 
-so the head corrects every branch for the prefix it has (engine.branches). The W branches step as
+so the head corrects every branch for the prefix it has (engine.draft_head). The W branches step as
 W rows of the existing kernels, four launches a step: W1_s · s for all rows in one GEMM, the two
 scoring launches of `correction_argmax` (split vocabulary, or the pool's M ids), and `gru_cell`
 on W rows. Every shape is fixed by (K, W, pool size) and nothing reads a value on the host, so the
@@ -17,7 +17,8 @@ step then costs one replay's share instead of the eager ops' launches from Pytho
 Ties go to the lowest column (torch.argmax; in a pool the lowest pool position). Arithmetic is fp32
 in the kernels; states are stored in the GRU's dtype, as the reference rounds them.
 
-Order: reference (plain torch), launcher (the kernels are gru_cell's and correction_argmax's).
+The torch reference is the model's `rollout` with `first` (models/domino; tests/kernels compare against it).
+The kernels are gru_cell's and correction_argmax's.
 """
 
 from __future__ import annotations
@@ -31,36 +32,6 @@ from dominospec.kernels.correction_argmax import Argmax, correction_argmax
 from dominospec.kernels.gru_cell import gru_cell
 from dominospec.kernels.head_rollout import HeadWeights
 
-# ---- reference --------------------------------------------------------------------------------
-
-
-def head_branches_reference(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, w1: torch.Tensor,
-                            w2: torch.Tensor, pure_draft_prefix_len: int, z: torch.Tensor, base_logits: torch.Tensor,
-                            x_start: torch.Tensor, first: torch.Tensor,
-                            pool_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """E [V, H], W_ih [3G, H], W_hh [3G, G], W1 [r, H+G], W2 [V, r], z [K, H], u [K, V], x_start [1],
-    first [W] -> tokens [W, K] (long). Plain torch ops in the weights' dtype, all W rows at once."""
-    K, W, P = z.shape[0], first.numel(), pure_draft_prefix_len
-    tokens = torch.empty(W, K, dtype=torch.long, device=z.device)
-    tokens[:, 0] = first
-    state = torch.gru_cell(embed[x_start].to(w_ih.dtype), w_hh.new_zeros(1, w_hh.shape[1]), w_ih, w_hh)  # s_0 [1, G]
-    state = torch.gru_cell(embed[first].to(w_ih.dtype), state.expand(W, -1), w_ih, w_hh)  # s_1 [W, G]
-    if pool_ids is not None:
-        w2, scored_base = w2[pool_ids], base_logits[:, pool_ids]  # [M, r], [K, M]
-    else:
-        scored_base = base_logits
-    for j in range(1, K):
-        if j < P:
-            tokens[:, j] = base_logits[j].argmax()
-        else:
-            mid = F.silu(F.linear(torch.cat([z[j].expand(W, -1), state], dim=1), w1))  # [W, r]
-            pos = (scored_base[j] + F.linear(mid, w2)).argmax(-1)  # [W]
-            tokens[:, j] = pos if pool_ids is None else pool_ids[pos]
-        if j + 1 < K:
-            state = torch.gru_cell(embed[tokens[:, j]].to(w_ih.dtype), state, w_ih, w_hh)  # s_{j+1}
-    return tokens
-
-
 # ---- launcher ---------------------------------------------------------------------------------
 
 
@@ -68,7 +39,7 @@ def head_branches(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tens
                   first: torch.Tensor, pool_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z [K, H], u [K, V] (last dim contiguous), x_start [1], first [W] (long, on device), pool ids [M]
     or None -> tokens [W, K] (long; a transposed view of a [K, W] buffer). The same tokens as
-    `head_branches_reference` up to fp32 summation order; W = 1 is `head_rollout`'s chain."""
+    the model's `rollout(first=...)` up to fp32 summation order; W = 1 is `head_rollout`'s chain."""
     K, W, P = z.shape[0], first.numel(), weights.pure_draft_prefix_len
     gru = weights.gru
     G = gru.w_hh.shape[1]

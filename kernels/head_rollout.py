@@ -4,7 +4,7 @@ Inputs: z [K, H] (normed draft states of slots 0..K-1; slot j predicts d_{j+1}),
 u = lm_head(z) [K, V], the last committed token x_start [1]. Slots j < P (pure_draft_prefix_len)
 take argmax u_j; slot j >= P takes
     d_{j+1} = argmax( u_j + W2 · SiLU(W1 · [z_j ; s_j]) )     s_j = GRU state after [x_start, d_1..d_j]
-(the model's `rollout`; engine.rollout's torch path, step for step).
+(the model's `rollout`, the one torch reference, step for step).
 
 The kernel path. Before the loop, z_proj = z · W1_zᵀ for all K slots in one GEMM ([K, r]). Then
 per step j, two launches (three without the GRU table):
@@ -29,7 +29,8 @@ Ties go to the lowest column, as torch.argmax (in a pool: the lowest pool positi
 `ids[argmax(scored)]`). Arithmetic is fp32 whatever the storage dtype; s_{j+1} is rounded to the
 state's dtype before W1_s reads it, as the reference does.
 
-Order: reference (plain torch, the ops the engine's torch path runs), kernels, launcher.
+The torch reference is the model's `rollout` (models/domino; tests/kernels compare against it).
+Order: the result type, kernels, launcher.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import triton.language as tl
 
 from dominospec.kernels.gru_cell import GruWeights, gru_weights
 
-# ---- reference --------------------------------------------------------------------------------
+# ---- result -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -53,36 +54,6 @@ class HeadChain:
 
     tokens: torch.Tensor
     confidence: Optional[torch.Tensor]
-
-
-def head_rollout_reference(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, w1: torch.Tensor,
-                           w2: torch.Tensor, pure_draft_prefix_len: int, z: torch.Tensor, base_logits: torch.Tensor,
-                           x_start: torch.Tensor, pool_ids: Optional[torch.Tensor] = None
-                           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """E [V, H], W_ih [3G, H], W_hh [3G, G], W1 [r, H+G], W2 [V, r], z [K, H], u [K, V], x_start [1]
-    -> (tokens [K], the scored logits of every step: [V], or [M] over `pool_ids` for j >= P).
-
-    Plain torch ops in the weights' dtype, no host sync: the eager baseline, and capturable as is.
-    """
-    K = z.shape[0]
-    state = torch.gru_cell(embed[x_start].to(w_ih.dtype), w_hh.new_zeros(1, w_hh.shape[1]), w_ih, w_hh)  # s_0 [1, G]
-    if pool_ids is not None:
-        w2, scored_base = w2[pool_ids], base_logits[:, pool_ids]  # [M, r], [K, M]
-    tokens, scored = [], []
-    for j in range(K):
-        if j < pure_draft_prefix_len:
-            logits, ids = base_logits[j], None
-        else:
-            mid = F.silu(F.linear(torch.cat([z[j], state[0]]), w1))  # [r]
-            base = base_logits[j] if pool_ids is None else scored_base[j]
-            logits, ids = base + F.linear(mid, w2), pool_ids  # [V] or [M]
-        pos = logits.argmax()
-        token = pos if ids is None else ids.gather(0, pos.reshape(1))[0]  # not ids[pos]: a 0-d index syncs
-        tokens.append(token)
-        scored.append(logits)
-        if j + 1 < K:
-            state = torch.gru_cell(embed[token.reshape(1)].to(w_ih.dtype), state, w_ih, w_hh)  # s_{j+1}
-    return torch.stack(tokens), scored
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -316,7 +287,7 @@ def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tenso
                  block_g: Optional[int] = None, score_warps: Optional[int] = None,
                  block_gh: Optional[int] = None, gru_warps: Optional[int] = None) -> HeadChain:
     """z [K, H], u [K, V] (last dim contiguous), x_start [1] (long, on device), pool ids [M] or None
-    -> HeadChain (greedy). Same tokens as `head_rollout_reference` up to fp32 summation order.
+    -> HeadChain (greedy). Same tokens as the model's greedy `rollout` up to fp32 summation order.
     block_v, score_programs, block_g, score_warps, block_gh, gru_warps: override `rollout_plan`'s defaults."""
     K = z.shape[0]
     gru = weights.gru

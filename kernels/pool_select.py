@@ -3,7 +3,7 @@
     best[v] = max_{first <= j < K} u[j, v]            u: base logits [K, V]
     pool    = the M columns of largest best, ties at the boundary to the lowest ids, sorted ascending
 
-The pool is the same SET as `engine.rollout.candidate_pool` (max over rows, then `torch.topk`)
+The pool is the same SET as `engine.draft_head.candidate_pool` (max over rows, then `torch.topk`)
 wherever the M-th largest value is not tied; torch.topk leaves a tie at the boundary unspecified
 (observed on CPU, torch 2.13: not the lowest ids), the rule here is fixed. The ids come sorted, so
 a pool position's order is the vocabulary's (the rollout's argmax ties then go to the lowest id).

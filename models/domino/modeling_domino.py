@@ -197,16 +197,18 @@ class DraftContextCache:
 
 @dataclass
 class DraftRollout:
-    """Result of one block rollout: draft tokens d_1..d_K [B, K] and the logits q [B, K, V]
-    they were drawn from (corrected for slots >= pure_draft_prefix_len when the head is on)."""
+    """Result of one block rollout: draft tokens d_1..d_K [B, K] and the logits q [B, K, V] they
+    were drawn from (corrected for slots >= pure_draft_prefix_len when the head is on; -inf outside
+    the candidate pool), or None when the caller did not keep them."""
 
     tokens: torch.Tensor
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> argmax token ids [B]."""
-    return logits.argmax(dim=-1)
+    """[B, N] -> argmax positions [B], ties to the lowest. Half-precision rows are compared in fp32
+    (an exact cast: the same index, and twice as fast as a bf16 argmax on CPU)."""
+    return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,35 +368,72 @@ class DFlashDraftModel(DominoPreTrainedModel):
         embed_tokens: nn.Module,
         sampler: Callable[[torch.Tensor], torch.Tensor] = greedy,
         num_draft: Optional[int] = None,
+        first: Optional[torch.Tensor] = None,
+        pool: Optional[torch.Tensor] = None,
+        keep_logits: bool = True,
     ) -> DraftRollout:
-        """Draft one block: z [B, Bk, H] (or [Bk, H]), base logits [B, Bk, V], the last committed
-        token [B] -> d_1..d_K and the logits q_j each was drawn from (K = num_draft or Bk).
+        """Draft one block: z [B, Bk, H], base logits u [B, Bk, V], the last committed token x_start
+        [B] -> d_1..d_K [B, K] and the logits each was drawn from (K = num_draft or Bk). Unbatched
+        z [Bk, H], u [Bk, V], x_start [1] (or 0-d) give tokens [K] and logits [K, V].
 
-        `sampler` maps logits [B, V] -> tokens [B] (greedy by default; the engine passes the same
-        warping it applies to the target). With the head on, slot j >= P uses u_j + correction(z_j,
-        s_j), where s_j has consumed [x_start, d_1..d_j]: K sequential GRU steps in all.
+        With the head on, slot j >= P (pure_draft_prefix_len) scores u_j + W2 . SiLU(W1 . [z_j ; s_j]),
+        where s_j has consumed [x_start, d_1..d_j]: K sequential GRU steps; slots j < P score u_j.
+        `sampler` maps scored logits [B, N] -> positions [B] in 0..N-1 (greedy by default; the engine
+        passes the same warping it applies to the target).
+
+        `first` [W] (unbatched input only): a draft tree of W branches sharing z, u and x_start;
+        branch w's d_1 is first[w], and the W branches then step as one batch, each corrected for
+        its own prefix. Returns tokens [W, K] (and logits [W, K, V], whose slot 0 is u_0).
+        `pool` [M] token ids (a candidate pool): the corrected slots score only these columns
+        (u_j and the rows of W2 gathered once), N = M, and positions map back through the pool;
+        tokens outside it are never drawn. Slots < P still score the full vocabulary.
+        `keep_logits` False skips building the [B, K, V] logits (the engine's greedy chains).
         """
         unbatched = z.dim() == 2
+        K = num_draft or base_logits.shape[-2]
+        head = self.config.use_domino_head
+        P = min(self.config.pure_draft_prefix_len, K) if head else K
+        w2 = self.embed_proj[2].weight  # [V, r]
+        scored = base_logits
+        if head and pool is not None:  # gathered once a block, before any rows are expanded
+            w2, scored = w2.index_select(0, pool), base_logits.index_select(-1, pool)  # [M, r], [..., Bk, M]
         if unbatched:
-            z, base_logits, last_token = z[None], base_logits[None], last_token.reshape(1)
-        K = num_draft or base_logits.shape[1]
-        B = z.shape[0]
-        if not self.config.use_domino_head:  # pure DFlash: independent draws from u
-            tokens = sampler(base_logits[:, :K].reshape(B * K, -1)).view(B, K)
-            out = DraftRollout(tokens, base_logits[:, :K])
-            return DraftRollout(out.tokens[0], out.logits[0]) if unbatched else out
-        P = self.config.pure_draft_prefix_len
-        state = self.gru_step(embed_tokens(last_token), z.new_zeros(B, self.config.gru_hidden_dim))  # s_0
+            rows = 1 if first is None else first.numel()
+            z, base_logits, scored = (t[None].expand(rows, -1, -1) for t in (z, base_logits, scored))
+        elif first is not None:
+            raise ValueError("rollout: `first` (a tree of branches) takes unbatched z [Bk, H] and u [Bk, V]")
+        B, V = base_logits.shape[0], base_logits.shape[-1]
+        if not head and first is None:  # pure DFlash: independent draws from u, all slots at once
+            tokens = sampler(base_logits[:, :K].reshape(B * K, V)).view(B, K)
+            out = DraftRollout(tokens, base_logits[:, :K] if keep_logits else None)
+            return DraftRollout(out.tokens[0], None if out.logits is None else out.logits[0]) if unbatched else out
+        state = None
+        if head:  # s_0 has consumed x_start (computed once when every row shares it)
+            x = last_token.reshape(-1)
+            state = self.gru_step(embed_tokens(x), z.new_zeros(x.numel(), self.config.gru_hidden_dim))
+            state = state.expand(B, -1) if x.numel() == 1 else state
         tokens, logits = [], []
         for j in range(K):
-            q = base_logits[:, j] + self.correction(z[:, j], state) if j >= P else base_logits[:, j]  # [B, V]
-            d = sampler(q)  # [B]: d_{j+1}
+            if j == 0 and first is not None:  # a branch's forced first token
+                q, d = base_logits[:, 0], first.reshape(B)
+            elif j < P:
+                q = base_logits[:, j]
+                d = sampler(q)
+            else:
+                mid = self.correction_hidden(z[:, j], state)  # [B, r]
+                q = scored[:, j] + F.linear(mid.to(w2.dtype), w2)  # [B, N]
+                d = sampler(q)
+                d = d if pool is None else pool[d]
             tokens.append(d)
-            logits.append(q)
-            if j + 1 < K:
+            if keep_logits:
+                dense = q.shape[-1] == V
+                logits.append(q if dense else q.new_full((B, V), float("-inf")).index_copy_(1, pool, q))
+            if head and j + 1 < K:
                 state = self.gru_step(embed_tokens(d), state)  # s_{j+1}
-        out = DraftRollout(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
-        return DraftRollout(out.tokens[0], out.logits[0]) if unbatched else out
+        out = DraftRollout(torch.stack(tokens, dim=1), torch.stack(logits, dim=1) if keep_logits else None)
+        if unbatched and first is None:
+            return DraftRollout(out.tokens[0], None if out.logits is None else out.logits[0])
+        return out
 
 
 __all__ = ["DFlashDraftModel", "DominoPreTrainedModel", "DraftContextCache", "DraftRollout", "greedy"]

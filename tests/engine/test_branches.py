@@ -1,6 +1,6 @@
-"""Draft trees (engine.branches, `tree_width`): the draft's W best first tokens, each drafted on.
+"""Draft trees (engine.draft_head, `tree_width`): the draft's W best first tokens, each drafted on.
 
-- `draft_branches` at W = 1 is `draft_chain`'s greedy chain (head on, with and without the pool;
+- `DraftHead.branches` at W = 1 is `DraftHead.chain`'s greedy chain (head on, with and without the pool;
   head off).
 - At W = 4 each branch equals a reference written out one branch at a time with the model's own ops:
   branch w starts with the w-th most likely token of u_0, then the head's argmax of u_j + delta_j over
@@ -19,8 +19,7 @@ import torch
 from engine_helpers import repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import EngineOptions, SpecEngine
-from dominospec.engine.branches import draft_branches
-from dominospec.engine.rollout import candidate_pool, draft_chain
+from dominospec.engine.draft_head import DraftHead, candidate_pool
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
 
@@ -40,8 +39,9 @@ def test_one_branch_is_the_greedy_chain(head, pool):
     draft = tiny_draft(target, block_size=6, head=True, scale=1.0)
     for seed in range(8):
         z, u, x = block(target, 5, seed)
-        chain = draft_chain(draft, z, u, x, target.embed_tokens, Sampling(), None, head, pool, confidence=False)
-        got = draft_branches(draft, z, u, x, target.embed_tokens, head, pool, 1)
+        drafts = DraftHead(draft, target.embed_tokens, head, pool)
+        chain = drafts.chain(z, u, x, Sampling(), None, confidence=False)
+        got = drafts.branches(z, u, x, 1)
         assert got.tolist() == [chain.tokens.tolist()]
 
 
@@ -66,7 +66,7 @@ def test_each_branch_equals_its_reference(head, pool):
     side_changes = 0
     for seed in range(8):
         z, u, x = block(target, 5, seed)
-        got = draft_branches(draft, z, u, x, target.embed_tokens, head, pool, 4)
+        got = DraftHead(draft, target.embed_tokens, head, pool).branches(z, u, x, 4)
         order = u[0].argsort(descending=True)[:4]
         cand = candidate_pool(u, int(draft.config.pure_draft_prefix_len), pool)
         assert got[:, 0].tolist() == order.tolist()

@@ -31,7 +31,7 @@ import dominospec.engine.tree_accept as tree_accept
 from dominospec.engine import EngineOptions, Sampling, SpecEngine
 from dominospec.engine.domino_tree import ancestors, grow_tree
 from dominospec.engine.policy import RoundCost
-from dominospec.engine.rollout import candidate_pool
+from dominospec.engine.draft_head import candidate_pool
 from dominospec.engine.tree_accept import GreedyWalk, accept_sampled_tree
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
 from dominospec.errors import UserError

@@ -1,4 +1,4 @@
-"""The candidate pool of the Domino rollout (engine.rollout), against kernel-free references.
+"""The candidate pool of the Domino rollout (engine.draft_head), against kernel-free references.
 
 - M = V (and M = 0): identical to the model's own full-vocabulary rollout (tokens and logits).
 - M < V: identical to a reference that scores the full vocabulary with the model's correction and
@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import tiny_draft, tiny_target
 
-from dominospec.engine.rollout import candidate_pool, draft_chain
+from dominospec.engine.draft_head import DraftHead, candidate_pool
 from dominospec.engine.sampling import Sampling
 
 V = 96
@@ -49,7 +49,7 @@ def reference_chain(draft, z, base, x_start, embed, pool):
 def test_full_pool_is_the_full_vocabulary(setup, pool_size):
     target, draft, z, base, x_start = setup
     with torch.inference_mode():
-        chain = draft_chain(draft, z, base, x_start, target.embed_tokens, Sampling(), None, True, pool_size)
+        chain = DraftHead(draft, target.embed_tokens, True, pool_size).chain(z, base, x_start, Sampling(), None, True)
         full = draft.rollout(z, base, x_start, target.embed_tokens)
     assert chain.tokens.tolist() == full.tokens.tolist()
     probs = torch.softmax(full.logits, -1).gather(1, full.tokens[:, None])[:, 0]
@@ -63,7 +63,7 @@ def test_pool_equals_masked_reference(setup, pool_size):
         pool = candidate_pool(base, 1, pool_size)
         assert pool.shape == (pool_size,)
         expected, _ = reference_chain(draft, z, base, x_start, target.embed_tokens, pool)
-        chain = draft_chain(draft, z, base, x_start, target.embed_tokens, Sampling(), None, True, pool_size)
+        chain = DraftHead(draft, target.embed_tokens, True, pool_size).chain(z, base, x_start, Sampling(), None, True)
         assert chain.tokens.tolist() == expected
         assert all(t in pool.tolist() for t in chain.tokens[1:].tolist())
 
@@ -73,8 +73,8 @@ def test_sampled_pool_q_lives_on_the_pool(setup):
     pool_size = 9
     with torch.inference_mode():
         pool = set(candidate_pool(base, 1, pool_size).tolist())
-        chain = draft_chain(draft, z, base, x_start, target.embed_tokens, Sampling(temperature=1.0),
-                            torch.Generator().manual_seed(1), True, pool_size)
+        chain = DraftHead(draft, target.embed_tokens, True, pool_size).chain(
+            z, base, x_start, Sampling(temperature=1.0), torch.Generator().manual_seed(1), confidence=True)
     outside = torch.tensor([i not in pool for i in range(V)])
     assert chain.probs.shape == (7, V)
     torch.testing.assert_close(chain.probs.sum(-1), torch.ones(7), rtol=1e-6, atol=1e-6)

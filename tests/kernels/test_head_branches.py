@@ -1,8 +1,8 @@
-"""kernels.head_branches (a draft tree's W branches on device) against its plain-torch reference.
+"""kernels.head_branches (a draft tree's W branches on device) against the model's rollout with `first`, the one torch reference.
 
 - fp32: tokens equal token for token over odd shapes, with and without the GRU table and a pool,
   with pure draft slots (P = 2) and without a corrected step (K = P);
-- the reference's branch w equals `head_rollout_reference` run alone from first[w] (so the W-row
+- the reference's branch w equals the model's chain rollout run alone from first[w] (so the W-row
   batching is not hiding a mixed-up row), and W = 1 is `head_rollout`'s chain;
 - the head changes tokens in these cases, and different first tokens lead to different branches;
 - bf16: a branch may part from the reference only at a near-tie (<= 2 bf16 ulps of the top logit).
@@ -12,11 +12,11 @@ Run: python -m pytest tests/kernels/test_head_branches.py -q
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import DEVICE
+from kernel_helpers import DEVICE, model_rollout
 from test_head_rollout import make, pool_of
 
-from dominospec.kernels.head_branches import head_branches, head_branches_reference
-from dominospec.kernels.head_rollout import head_rollout, head_rollout_reference, head_weights
+from dominospec.kernels.head_branches import head_branches
+from dominospec.kernels.head_rollout import head_rollout, head_weights
 
 CASES = [  # V, H, G, r, K, P, W
     (203, 37, 19, 13, 7, 1, 4),
@@ -27,7 +27,7 @@ CASES = [  # V, H, G, r, K, P, W
 
 
 def first_of(base, W):
-    """The W most likely tokens of u_0, best first (engine.branches.first_tokens' rule)."""
+    """The W most likely tokens of u_0, best first (engine.head_kernels.first_tokens' rule)."""
     return torch.topk(base[0].float(), W).indices
 
 
@@ -41,7 +41,7 @@ def test_fp32_branches_equal_reference(V, H, G, r, K, P, W, pool, use_table):
     first = first_of(base, W)
     weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40 if use_table else 0)
     got = head_branches(weights, z, base, x_start, first, ids)
-    want = head_branches_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, first, ids)
+    want = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids, first=first)[0]
     assert got.shape == (W, K)
     assert got.tolist() == want.tolist()
 
@@ -53,12 +53,12 @@ def test_reference_branch_is_a_chain_from_its_first_token():
     embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.float32, seed=3)
     x_start = torch.tensor([3], device=DEVICE)
     first = first_of(base, W)
-    tree = head_branches_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, first)
+    tree = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, first=first)[0]
     for w in range(W):
         forced = base.clone()
         forced[0] = -1e9
         forced[0, first[w]] = 0.0
-        chain, _ = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, forced, x_start)
+        chain, _ = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, forced, x_start)
         assert tree[w].tolist() == chain.tolist(), w
     assert len({tuple(row) for row in tree[:, 1:].tolist()}) > 1, "every branch went on alike: the head saw no prefix"
 
@@ -83,7 +83,7 @@ def test_bf16_branches_part_only_at_near_ties(seed):
     x_start = torch.tensor([3], device=DEVICE)
     first = first_of(base, W)
     got = head_branches(head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40), z, base, x_start, first).tolist()
-    want = head_branches_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, first).tolist()
+    want = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, first=first)[0].tolist()
     for w in range(W):
         if got[w] == want[w]:
             continue

@@ -1,8 +1,7 @@
 """engine.head_kernel: triton against torch on tiny random drafts (fp32): the same chains, the same rounds.
 
-- draft_chain with the prepared kernels equals the torch path token for token (greedy, full
-  vocabulary and candidate pool; confidence within 1e-5), and sampled chains draw the same tokens
-  from the same q (within 1e-5) for the same generator seed;
+- DraftHead's greedy chain on the prepared kernels equals the model's rollout (the torch path) token
+  for token (full vocabulary and candidate pool; confidence within 1e-5), and so do its branches;
 - SpecEngine(head_kernel="triton") generates what head_kernel torch generates, with equal
   acceptance round by round (identical drafts);
 - the switch raises a UserError naming the key where Triton cannot run.
@@ -24,7 +23,7 @@ from dominospec.config import load_params  # noqa: E402
 from dominospec.engine import EngineOptions, SpecEngine  # noqa: E402
 from dominospec.engine.configure import engine_options  # noqa: E402
 from dominospec.engine.head_kernels import prepare_head_kernels  # noqa: E402
-from dominospec.engine.rollout import draft_chain  # noqa: E402
+from dominospec.engine.draft_head import DraftHead  # noqa: E402
 from dominospec.engine.sampling import Sampling  # noqa: E402
 from dominospec.errors import UserError  # noqa: E402
 
@@ -54,8 +53,9 @@ def test_greedy_chain_equals_torch(setup, pool_size):
     changed = 0
     with torch.inference_mode():
         for z, base, x_start in blocks(target, 4):
-            args = (draft, z, base, x_start, target.embed_tokens, Sampling(), None, True, pool_size)
-            ref, fast = draft_chain(*args), draft_chain(*args, kernels=kernels)
+            args = (z, base, x_start, Sampling(), None, True)
+            ref = DraftHead(draft, target.embed_tokens, True, pool_size).chain(*args)
+            fast = DraftHead(draft, target.embed_tokens, True, pool_size, kernels).chain(*args)
             assert fast.tokens.tolist() == ref.tokens.tolist()
             torch.testing.assert_close(fast.confidence, ref.confidence, atol=1e-5, rtol=0)
             changed += fast.tokens.tolist() != base.argmax(-1).tolist()
@@ -63,25 +63,11 @@ def test_greedy_chain_equals_torch(setup, pool_size):
 
 
 @cpu_engine
-@pytest.mark.parametrize("pool_size", [0, 13])
-def test_sampled_chain_draws_from_the_same_q(setup, pool_size):
-    target, draft, kernels = setup
-    sampling = Sampling(temperature=0.8, top_k=40)
-    with torch.inference_mode():
-        for z, base, x_start in blocks(target, 2):
-            args = (draft, z, base, x_start, target.embed_tokens, sampling)
-            ref = draft_chain(*args, torch.Generator().manual_seed(1), True, pool_size)
-            fast = draft_chain(*args, torch.Generator().manual_seed(1), True, pool_size, kernels=kernels)
-            assert fast.tokens.tolist() == ref.tokens.tolist()
-            torch.testing.assert_close(fast.probs, ref.probs, atol=1e-5, rtol=0)
-
-
-@cpu_engine
 def test_engine_with_triton_head_equals_torch_head(setup):
     target, draft, _ = setup
     torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(candidate_pool=0))
     triton_engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="triton"))
-    assert torch_engine.head_kernels is None and triton_engine.head_kernels is not None
+    assert torch_engine.head.kernels is None and triton_engine.head.kernels is not None
     for prompt in random_prompts(2, V, seed=5):
         a, b = torch_engine.generate(prompt, 12), triton_engine.generate(prompt, 12)
         assert b.token_ids == a.token_ids
@@ -100,15 +86,15 @@ def test_static_engine_runs_the_rollout_through_its_graph_buffers(setup, pool_si
                         options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
     fixed = SpecEngine(target, draft, "domino",
                        options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
-    assert static.head_graphs is not None and torch_engine.head_graphs is None
+    assert static.head.graphs is not None and torch_engine.head.graphs is None
     for prompt in random_prompts(2, V, seed=5):
         a, b = torch_engine.generate(prompt, 12), fixed.generate(prompt, 12)
         assert b.token_ids == a.token_ids
         assert b.stats.accepted_lengths == a.stats.accepted_lengths
         assert static.generate(prompt, 12).token_ids == a.token_ids  # auto-K
-    keys = set(fixed.head_graphs.graphs.functions)  # K = num_draft, or fewer near the token budget
+    keys = set(fixed.head.graphs.graphs.functions)  # K = num_draft, or fewer near the token budget
     assert (fixed.num_draft, False) in keys and all(1 <= K <= fixed.num_draft and not c for K, c in keys)
-    assert static.head_graphs.graphs.functions  # the auto-K engine drafted through them too
+    assert static.head.graphs.graphs.functions  # the auto-K engine drafted through them too
     assert static.graph_failures() == {}
 
 
@@ -129,7 +115,7 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     it must be the torch path (the interpreter is for tests, not for speed)."""
     target, draft, _ = setup
     engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="auto"))
-    assert engine.head_kernels is None
+    assert engine.head.kernels is None
     assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine,
                           "torch").head_kernel == "auto"
 
@@ -138,14 +124,13 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
 @pytest.mark.parametrize("pool_size", [0, 13])
 def test_branches_equal_torch(setup, pool_size):
     """A draft tree's W branches on the kernels (kernels.head_branches) = the torch ops' branches."""
-    from dominospec.engine.branches import draft_branches
 
     target, draft, kernels = setup
     differ = 0
     with torch.inference_mode():
         for z, base, x_start in blocks(target, 4):
-            args = (draft, z, base, x_start, target.embed_tokens, True, pool_size, 3)
-            ref, fast = draft_branches(*args), draft_branches(*args, kernels=kernels)
+            ref = DraftHead(draft, target.embed_tokens, True, pool_size).branches(z, base, x_start, 3)
+            fast = DraftHead(draft, target.embed_tokens, True, pool_size, kernels).branches(z, base, x_start, 3)
             assert fast.tolist() == ref.tolist()
             differ += len({tuple(row) for row in ref[:, 1:].tolist()}) > 1
     assert differ, "the branches never parted after their first token: the head's per-branch state is untested"
@@ -165,6 +150,6 @@ def test_static_engine_runs_the_tree_through_its_graph_buffers(setup, pool_size)
         a, b = torch_engine.generate(prompt, 12), static.generate(prompt, 12)
         assert b.token_ids == a.token_ids
         assert b.stats.accepted_lengths == a.stats.accepted_lengths
-    keys = set(static.head_graphs.graphs.functions)
+    keys = set(static.head.graphs.graphs.functions)
     assert any(key[0] == "tree" and key[2] == 3 for key in keys), keys
     assert static.graph_failures() == {}

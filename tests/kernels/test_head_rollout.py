@@ -1,4 +1,4 @@
-"""kernels.head_rollout (the whole greedy rollout on device) against its plain-torch reference.
+"""kernels.head_rollout (the whole greedy rollout on device) against the model's rollout, the one torch reference.
 
 fp32: tokens equal token for token (the kernels differ from torch only in fp32 summation order);
 confidence within 1e-5 of the reference softmax. bf16: the reference rounds every op to bf16 while
@@ -10,9 +10,9 @@ Run: python -m pytest tests/kernels/test_head_rollout.py -q
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import DEVICE
+from kernel_helpers import DEVICE, model_rollout
 
-from dominospec.kernels.head_rollout import head_rollout, head_rollout_reference, head_weights
+from dominospec.kernels.head_rollout import head_rollout, head_weights
 
 CASES = [  # V, H, G, r, K, P
     (203, 37, 19, 13, 7, 1),
@@ -46,7 +46,7 @@ def test_fp32_chain_equals_reference(V, H, G, r, K, P, pool, use_table):
     ids = pool_of(base, P, pool) if K > P else None
     weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40 if use_table else 0)
     chain = head_rollout(weights, z, base, x_start, ids, confidence=True, block_v=32)
-    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
+    tokens, scored = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
     assert chain.tokens.tolist() == tokens.tolist()
     expected = torch.stack([F.softmax(s, -1).max() for s in scored])
     torch.testing.assert_close(chain.confidence, expected, atol=1e-5, rtol=0)
@@ -66,7 +66,7 @@ def test_bf16_chain_parts_only_at_near_ties(seed):
     embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.bfloat16, seed=seed)
     x_start = torch.tensor([3], device=DEVICE)
     chain = head_rollout(head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40), z, base, x_start, block_v=32)
-    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start)
+    tokens, scored = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start)
     got, want = chain.tokens.tolist(), tokens.tolist()
     if got != want:
         j = next(i for i in range(K) if got[i] != want[i])
@@ -86,7 +86,7 @@ def test_launch_shapes_do_not_change_the_chain(block_v, score_programs, block_g,
     weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40)
     chain = head_rollout(weights, z, base, x_start, ids, confidence=True, block_v=block_v,
                          score_programs=score_programs, block_g=block_g)
-    tokens, scored = head_rollout_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
+    tokens, scored = model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids)
     assert chain.tokens.tolist() == tokens.tolist()
     expected = torch.stack([F.softmax(s, -1).max() for s in scored])
     torch.testing.assert_close(chain.confidence, expected, atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE
 
-from dominospec.engine.rollout import candidate_pool
+from dominospec.engine.draft_head import candidate_pool
 from dominospec.kernels.pool_select import pool_select, pool_select_reference, pool_workspace
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -13,7 +13,8 @@ events there cost 0.1-0.6 ms a step on the H200's sandboxed host).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -55,6 +56,15 @@ class PhaseClock:
         else:
             self.totals[name] = self.totals.get(name, 0.0) + (end - start)
 
+    @contextmanager
+    def round(self, stats: Any) -> Iterator["RoundTimer"]:
+        """A round's phase times (`RoundTimer`), booked here and in `stats.host_s` when it ends."""
+        timer = RoundTimer(self, stats)
+        try:
+            yield timer
+        finally:
+            timer.close()
+
     def seconds(self) -> dict[str, float]:
         """Total seconds per name over every span added so far."""
         if self.cuda and self.marks:
@@ -67,15 +77,54 @@ class PhaseClock:
         return dict(self.totals)
 
 
-def book_phases(clock: PhaseClock, stats: Any, marks: tuple, host: tuple, drafted: bool) -> None:
-    """A round's clock marks (t0 draft t1 rollout t2 verify t3) and host marks (plan | launch | wait |
-    commit) -> its phase times in `clock`, the host's in `stats.host_s` (engine.stats); `drafted`: it
-    verified at least one draft (a draft round)."""
-    t0, t1, t2, t3 = marks
-    clock.add("draft", t0, t1)
-    clock.add("rollout", t1, t2)
-    clock.add("verify", t2, t3)
-    if drafted:
-        clock.add("draft_round", t0, t3)
-    for phase, a, b in zip(("plan", "launch", "wait", "commit"), host, host[1:]):
-        stats.host_s[phase] = stats.host_s.get(phase, 0.0) + (b - a)
+class RoundTimer:
+    """One round's phases, timed by `with` blocks (`PhaseClock.round`):
+
+        with clock.round(stats) as timer:      # host: plan ...
+            timer.begin(device=drafting)       # ... ends; the device phases start
+            with timer.phase("draft"): ...
+            with timer.phase("rollout"): ...
+            with timer.phase("verify"):        # host: launch ...
+                with timer.waiting(): ...      # ... wait (the acceptance's read) ...
+                ...                            # ... commit, to the end of the round
+
+    Consecutive phases share their boundary mark (one CUDA event each on a drafting round). On
+    exit the spans go to the clock, and `draft_round` (begin to the end of the last phase) when
+    `drafted` is set: the round verified at least one proposal."""
+
+    def __init__(self, clock: "PhaseClock", stats: Any):
+        self.clock, self.stats = clock, stats
+        self.host = [time.perf_counter()]  # plan | launch | wait | commit boundaries
+        self.device = False
+        self.first: Optional[Mark] = None  # the mark `begin` took
+        self.last: Optional[Mark] = None  # the end of the latest phase
+        self.drafted = False
+
+    def begin(self, device: bool) -> None:
+        """The plan is made. `device`: the round queues GPU work the host does not wait for, so its
+        phases are timed by CUDA events (host clock otherwise)."""
+        self.host.append(time.perf_counter())
+        self.device = device
+        self.first = self.last = self.clock.mark(device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self.last if self.last is not None else self.clock.mark(self.device)
+        yield
+        self.last = self.clock.mark(self.device)
+        self.clock.add(name, start, self.last)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The host waits here for the device (the acceptance reads the verify's logits)."""
+        self.host.append(time.perf_counter())
+        yield
+        self.host.append(time.perf_counter())
+
+    def close(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.drafted and self.first is not None and self.last is not None:
+            self.clock.add("draft_round", self.first, self.last)
+        if len(self.host) == 5:  # a round that waited once: plan | launch | wait | commit
+            for phase, a, b in zip(("plan", "launch", "wait", "commit"), self.host, self.host[1:]):
+                self.stats.host_s[phase] = self.stats.host_s.get(phase, 0.0) + (b - a)

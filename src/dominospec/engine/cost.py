@@ -4,7 +4,7 @@ On a real prompt (prefilled once): the target forward over r = 1..R rows with th
 features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a chain of K_max or a
 prompt lookup proposes), the draft forward over the block with
 the base logits of K_max rows, a K_max-step chain, and (`tree_width` W > 1) W branches of K_max
-drafts (engine.branches), and (`dominotree`) the growth of the whole tree (engine.domino_tree); each `repeats` times, the phases
+drafts (engine.draft_head), and (`dominotree`) the growth of the whole tree (engine.domino_tree); each `repeats` times, the phases
 interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
 the minimum is the machine's own cost, and K does not follow one descheduled sample). Greedy
 chain. The measurement runs on the engine's own runners (static caches and CUDA graphs when it
@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from dominospec.engine.policy import RoundCost
-from dominospec.engine.branches import draft_branches
-from dominospec.engine.rollout import draft_chain
 from dominospec.engine.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -48,7 +46,7 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     T, K, R = ids.numel(), engine.num_draft, engine.max_verify + 1  # R: the most rows a verify has
     if shared is not None and len(shared.verify) < R:
         shared = None
-    kv, drafter = engine._runners(T + max(R, engine.block_size) + 1)
+    kv, drafter = engine.runners(T + max(R, engine.block_size) + 1)
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
         drafter.extend(features.to(engine.draft_dtype))
@@ -58,29 +56,25 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     x_start = ids[-1:]
     for _ in range(repeats):
         for r in verify if shared is None else ():
-            t0 = engine._now()
+            t0 = engine.now()
             kv.forward(rows[:r][None], keep=r)
-            verify[r].append(1000 * (engine._now() - t0))
+            verify[r].append(1000 * (engine.now() - t0))
             kv.crop(T)
         if drafter is not None:
-            t0 = engine._now()
+            t0 = engine.now()
             z, base_logits = drafter.block(None, x_start, T, K)
-            t1 = engine._now()
-            draft_chain(engine.draft, z, base_logits, x_start, engine.embed_tokens, Sampling(), None,
-                        engine.draft_head, engine.options.candidate_pool, kernels=engine.head_kernels,
-                        graphs=engine.head_graphs)
-            t2 = engine._now()
+            t1 = engine.now()
+            engine.head.chain(z, base_logits, x_start, Sampling(), None, confidence=True)
+            t2 = engine.now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
             if engine.tree_width > 1:
-                draft_branches(engine.draft, z, base_logits, x_start, engine.embed_tokens, engine.draft_head,
-                               engine.options.candidate_pool, engine.tree_width, kernels=engine.head_kernels,
-                               graphs=engine.head_graphs)
-                branch_ms.append(1000 * (engine._now() - t2) / K)
+                engine.head.branches(z, base_logits, x_start, engine.tree_width)
+                branch_ms.append(1000 * (engine.now() - t2) / K)
             if engine.grower is not None:
-                t3 = engine._now()
+                t3 = engine.now()
                 engine.grower.grow(z, base_logits, x_start)
-                build_ms.append(1000 * (engine._now() - t3))
+                build_ms.append(1000 * (engine.now() - t3))
     if shared is not None:
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
                          rollout_step=min(chain_ms) if chain_ms else 0.0,

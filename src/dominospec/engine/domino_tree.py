@@ -1,6 +1,6 @@
 """DominoTree: the draft's tree grown best-first over the cumulative log-probability of its paths.
 
-The engine's first-token tree (engine.branches) spends its rows on the draft's W best *first*
+The engine's first-token tree (engine.draft_head) spends its rows on the draft's W best *first*
 tokens and one greedy chain after each. DominoTree spends them where the draft puts its mass: a
 node is the path x_start, t_1 .. t_d; its score is the draft's log q(t_1) + ... + log q(t_d); the
 tree of budget N is the N best-scored nodes, each path's children offered by that path's own
@@ -8,7 +8,7 @@ Domino head:
 
     slot j < P (pure_draft_prefix_len): q = softmax(u_j)                  the same for every path
     slot j >= P:                        q = softmax(u_j + W2 . SiLU(W1 . [z_j ; s_path]))
-                                        over the block's candidate pool (engine.rollout), s_path the
+                                        over the block's candidate pool (engine.draft_head), s_path the
                                         GRU state after [x_start, t_1 .. t_j]
 
 (greedy: log_softmax of the scored logits; sampling: the log of the warped q the chain would draw
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.engine.fork import Tree
-from dominospec.engine.rollout import candidate_pool, pooled_head
+from dominospec.engine.draft_head import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
 
 

@@ -17,7 +17,7 @@ it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the coun
 prior comes back and a probe round is tried again.
 
 A branching round (engine.fork) verifies a tree: the draft's W best first tokens, each drafted on
-to K_d tokens (engine.branches), and beside them a prompt lookup of K_l tokens. The W draft branches
+to K_d tokens (engine.draft_head), and beside them a prompt lookup of K_l tokens. The W draft branches
 start with distinct tokens, so at most one of them gets past its first token: the draft tree accepts
 >= k with probability t_k = a_k * (1 + (r_2 + ... + r_W) / a_1), where r_w = P(the target's token is
 the draft's w-th guess) (`RankModel`, decayed counts like the chain's) and a branch that got its
@@ -42,7 +42,7 @@ class RoundCost:
     verify: list[float]  # verify[r-1]: target forward over r rows (features included), r = 1..K_max+1
     draft: float  # draft forward over the block + base logits (0 in `ngram`)
     rollout_step: float  # one chain step (0 in `ngram`)
-    branch_step: float = 0.0  # one step of the draft's widest tree (engine.branches; 0 without one)
+    branch_step: float = 0.0  # one step of the draft's widest tree (engine.draft_head; 0 without one)
     tree_build: float = 0.0  # growing DominoTree's whole budget of nodes (engine.domino_tree; 0 without one)
 
     def round_ms(self, k: int) -> float:

@@ -20,7 +20,7 @@ each choosing its own K against its own round cost (a lookup round pays no draft
 With `ngram_fork` as well (greedy), a round with a lookup hit drafts anyway and verifies both, the
 chain and the lookup, as two branches of one target forward (engine.fork), keeping the branch the
 target accepts further. With `tree_width` W > 1 (greedy) a drafted round verifies the draft's W best
-first tokens as W branches, each drafted on (engine.branches), beside the lookup when there is one:
+first tokens as W branches, each drafted on (engine.draft_head), beside the lookup when there is one:
 a tree of branches sharing row 0. Auto-K chooses (W, K_d, K_l) together (`choose_tree`), which may
 narrow the tree to a chain or drop either side.
 
@@ -36,10 +36,12 @@ the same rows (invariant checked).
   1. draft forward over `[x_start, MASK x (B-1)]` at positions start..start+B-1, the pending
      features appended first -> z [B, H]; base logits u = lm_head(z[:K]) [K, V], all in the draft
      path's dtype (`EngineOptions.draft_dtype`: only verification must be exact).
-  2. chain d_1..d_K (engine.rollout; candidate pool optional), cut where the draft's own
-     confidence product falls below `confidence_cut`; or W branches of K (engine.branches).
+  2. propose (engine.draft_head: the model's rollout, or its kernels): a chain d_1..d_K (candidate
+     pool optional), cut where the draft's own confidence product falls below `confidence_cut`;
+     or W branches of K.
   3. verify: one target forward over [x_start, d_1..d_K] (positions start..start+K), with the
-     features of the draft's n target layers; acceptance (greedy match, or lossless speculative
+     features of the draft's n target layers (several proposals: a tree, engine.fork) -> a
+     Verdict (engine.verdict); acceptance (greedy match, or lossless speculative
      sampling) commits d_1..d_n + one target token.
   4. bookkeeping: with m tokens committed, the target KV is cropped to start+m (keeping x_start,
      d_1..d_{m-1}) and the target features of exactly those m rows become pending; start += m.
@@ -59,11 +61,11 @@ import torch
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.branches import draft_branches
-from dominospec.engine.clock import PhaseClock, book_phases
+from dominospec.engine.clock import PhaseClock
+from dominospec.engine.cost import measure_round_cost
+from dominospec.engine.draft_head import DraftChain, DraftHead, draft_head
 from dominospec.engine.domino_tree import TreeGrower
 from dominospec.engine.fork import MAX_TREE_ROWS, accept_branches, branch_tree
-from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.lean_decoder import LeanDecoder, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock, lean_draft
 from dominospec.engine.lean_kv import LeanTargetKV
@@ -71,12 +73,12 @@ from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
 from dominospec.engine.policy import AcceptanceModel, RankModel, RoundCost, choose_k, choose_tree
-from dominospec.engine.rollout import DraftChain, draft_chain
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.stats import Generation, GenerationStats
 from dominospec.engine.stops import cut_at_stop_string, first_stop_token, stop_token_ids
 from dominospec.engine.tree_policy import TreeModel
 from dominospec.engine.tree_round import tree_round
+from dominospec.engine.verdict import Verdict
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
@@ -101,7 +103,7 @@ class EngineOptions:
     acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
     ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
     ngram_fork: bool = False  # with ngram_assist, greedy: ... verifies it beside the draft's chain, a two-branch tree (engine.fork)
-    tree_width: int = 1  # greedy draft rounds: verify the draft's W best first tokens, each drafted on (engine.branches); 1 = a chain
+    tree_width: int = 1  # greedy draft rounds: verify the draft's W best first tokens, each drafted on (engine.draft_head); 1 = a chain
     tree_nodes: int = 16  # mode dominotree: the best-first tree's node budget N (engine.domino_tree)
     tree_children: int = 4  # mode dominotree: children offered per expansion
     head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
@@ -131,8 +133,7 @@ class SpecEngine:
         self.stop_ids = stop_token_ids(target.tokenizer, self.model)
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.draft, self.num_draft, self.block_size, self.layer_ids = None, 0, 1, []
-        self.head_kernels = None  # the head prepared for the Triton kernels (engine.head_kernel: triton)
-        self.head_graphs: Optional[RolloutGraphs] = None  # their greedy rollout as CUDA graphs (with static_cache)
+        self.head: Optional[DraftHead] = None  # how a block's drafts are proposed (engine.draft_head)
         self.auto = num_draft == "auto"
         self.cost: Optional[RoundCost] = None  # auto-K: measured by `calibrate`
         # static runners by capacity bucket: {rows: (StaticTargetKV, StaticDraftBlock or None)}, built on first use
@@ -168,16 +169,9 @@ class SpecEngine:
             raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
         self.draft_dtype = options.draft_dtype or self.dtype
         self.draft, self.draft_lm_head = self._draft_path(draft.eval())
-        kernel = options.head_kernel
-        if kernel == "auto":  # Triton where it runs compiled (a CUDA draft), torch ops elsewhere
-            kernel = "triton" if triton_usable(self.draft.embed_proj[2].weight.device) else "torch"
         self.block_size = int(draft.config.block_size)
-        if mode == "domino" and kernel == "triton":  # (dominotree grows its tree with torch ops, as one graph on CUDA)
-            self.head_kernels = prepare_head_kernels(self.draft, self.embed_tokens)
-            if options.static_cache:
-                self.head_graphs = RolloutGraphs(self.head_kernels, self.block_size, self.draft.config.hidden_size,
-                                                 self.head_kernels.w2.shape[0], self.draft_dtype, self.device,
-                                                 options.candidate_pool, enabled=options.cuda_graphs)
+        self.head = draft_head(self.draft, self.embed_tokens, mode, options.head_kernel, options.candidate_pool,
+                               options.static_cache, options.cuda_graphs, self.block_size, self.draft_dtype, self.device)
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
@@ -244,11 +238,6 @@ class SpecEngine:
     def forking(self) -> bool:
         """Draft modes with ngram_assist and ngram_fork: a lookup hit may be verified beside the chain."""
         return self.draft is not None and self.lookup_k_max > 0 and self.options.ngram_fork
-
-    @property
-    def draft_head(self) -> bool:
-        """The drafts run the Domino head (domino, dominotree); head off (dflash) otherwise."""
-        return self.mode in HEAD_MODES
 
     @property
     def max_verify(self) -> int:
@@ -318,15 +307,15 @@ class SpecEngine:
         stats = GenerationStats(self.mode, T, self.num_draft)
         drafting = self.draft is not None
 
-        t_begin = self._now()
-        state = _State(*self._runners(T + budget + max(self.block_size, self.max_verify) + 1),
+        t_begin = self.now()
+        state = _State(*self.runners(T + budget + max(self.block_size, self.max_verify) + 1),
                        PhaseClock(self.device, self._events))
         stats.static_cache = isinstance(state.kv, (StaticTargetKV, LeanTargetKV))
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
         if drafting:
             state.pending.append(features)
-        stats.prefill_s = self._now() - t_begin
+        stats.prefill_s = self.now() - t_begin
         if self.mode == "ngram" or (drafting and self.options.ngram_assist):
             state.index = NgramIndex(self.options.ngram_min, self.options.ngram_max)
             state.index.extend(prompt.tolist())
@@ -362,7 +351,7 @@ class SpecEngine:
             self._flush(state)
             state.drafter.crop(T + len(tokens) - 1)
         stats.new_tokens = len(tokens)
-        stats.total_s = self._now() - t_begin
+        stats.total_s = self.now() - t_begin
         phases = state.clock.seconds()
         stats.draft_s, stats.rollout_s = phases.get("draft", 0.0), phases.get("rollout", 0.0)
         stats.verify_s, stats.draft_round_s = phases.get("verify", 0.0), phases.get("draft_round", 0.0)
@@ -381,7 +370,7 @@ class SpecEngine:
         before the first request, not inside a timed one. A no-op on the dynamic caches."""
         if not self.options.static_cache or rows > self.options.graph_capacity:
             return
-        kv, drafter = self._runners(rows)
+        kv, drafter = self.runners(rows)
         ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
         _, features = kv.forward(ids[:, :2], keep=1)
         for T in range(1, kv.max_rows + 1):
@@ -395,14 +384,10 @@ class SpecEngine:
             z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
                                            self.block_size)
             drafter.crop(1)
-        head = self.mode in HEAD_MODES
         for K in range(1, self.num_draft + 1):
-            draft_chain(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, Sampling(), None, head,
-                        self.options.candidate_pool, self.options.confidence_cut > 0, kernels=self.head_kernels,
-                        graphs=self.head_graphs)
+            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.options.confidence_cut > 0)
             for W in range(2, self.tree_width + 1):
-                draft_branches(self.draft, z[:K], base_logits[:K], x_start, self.embed_tokens, head,
-                               self.options.candidate_pool, W, kernels=self.head_kernels, graphs=self.head_graphs)
+                self.head.branches(z[:K], base_logits[:K], x_start, W)
             if self.grower is not None:
                 self.grower.grow(z[:K], base_logits[:K], x_start)
 
@@ -417,87 +402,89 @@ class SpecEngine:
         """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
         `shared`: another engine's cost on the same target and draft, whose verify and draft
         forward costs this engine takes (engine.cost.measure_round_cost)."""
-        from dominospec.engine.cost import measure_round_cost
-
         self.cost = measure_round_cost(self, prompt, shared=shared)
         return self.cost
 
     # ---- one round --------------------------------------------------------------------------
 
     def _round(self, state, tokens, start, budget, sampling, generator, stats) -> tuple[int, Optional[str]]:
-        """Choose K, draft (or look up), verify, accept, crop -> (tokens committed, finish reason)."""
+        """Plan, draft, propose, verify, commit (module docstring) -> (tokens committed, finish reason)."""
         if self.mode == "dominotree":
             return tree_round(self, state, tokens, start, budget, sampling, generator, stats)
-        room = budget - len(tokens) - 1  # drafts that can still be emitted: the bonus fills the last slot
-        h0 = time.perf_counter()  # host marks: plan | launch | wait (the acceptance's read) | commit
         x_start = torch.tensor([tokens[-1]], device=self.device)
-        clock = state.clock
-        t0 = clock.mark(device=False)
-        W, K, lookup = self._plan(state, room, sampling.greedy)  # W branches of K drafts, lookup tokens to verify
-        h1 = time.perf_counter()
-        chain, L = None, len(lookup)
-        on_device = K > 0  # drafting rounds queue work the host does not wait for: timed by CUDA events
-        if on_device:
-            t0 = clock.mark()  # (choosing K, on the host, is left out of their phases)
-        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device) if L else None  # now: the GPU is idle
-        if K > 0:
-            z, base_logits = self._draft_forward(state, x_start, start, K)
-        t1 = clock.mark(on_device)
-        if K > 0 and W > 1:
-            branches = draft_branches(self.draft, z, base_logits, x_start, self.embed_tokens, self.draft_head,
-                                      self.options.candidate_pool, W, kernels=self.head_kernels,
-                                      graphs=self.head_graphs)  # [W, K]
-        elif K > 0:
-            chain = draft_chain(self.draft, z, base_logits, x_start, self.embed_tokens, sampling, generator,
-                                self.draft_head, self.options.candidate_pool, self.options.confidence_cut > 0,
-                                kernels=self.head_kernels, graphs=self.head_graphs)
-            K = self._cut(chain)
-            branches = chain.tokens[:K][None]
-        t2 = clock.mark(on_device)
-
-        if K and (W > 1 or L):  # a tree: the draft's branches, and the lookup (greedy only, see _plan)
-            parts = list(branches) + ([lookup_tokens] if L else [])
-            logits, features = state.kv.forward(torch.cat([x_start, *parts])[None], keep=1 + W * K + L,
-                                                tree=branch_tree([K] * W + [L] * bool(L), self.device))
-            h2 = time.perf_counter()
-            tree = accept_branches(parts, logits[0])
-            h3 = time.perf_counter()
-            n, nxt, rows = tree.accepted, tree.next_token, tree.rows
-            accepted = parts[tree.winner][:n]
-            n_chain, n_draft = tree.per_branch[0], max(tree.per_branch[:W])
-            n_lookup = tree.per_branch[W] if L else 0
-            winner_rank = tree.winner + 1 if tree.winner < W and n_draft else 0
-            stats.fork_rounds += L > 0
-            stats.fork_lookup_wins += L > 0 and tree.winner == W
-            stats.tree_rounds += W > 1
-            stats.tree_side_wins += 0 < tree.winner < W
-        else:
-            verified = lookup_tokens if L else branches[0] if K else x_start[:0]  # one chain: the draft's, or the lookup
-            logits, features = state.kv.forward(torch.cat([x_start, verified])[None], keep=K + L + 1)
-            logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after verify_ids[i]
-            h2 = time.perf_counter()
-            if sampling.greedy:
-                n, nxt = accept_greedy(verified, logits)
-            else:
-                q = self._draft_probs(chain, K, logits.shape[-1]) if K else self._draft_probs(None, L, logits.shape[-1], verified)
-                n, nxt = accept_sampled(verified, q, sampling.probs(logits), generator)
-            h3 = time.perf_counter()
-            accepted, rows = verified[:n], list(range(n + 1))
-            stats.lookup_rounds += L > 0 and self.mode != "ngram"
-            n_chain = n_draft = n_lookup = n
-            winner_rank = 1 if K and n else 0
-        m, reason = self._commit(state, tokens, accepted.tolist() + [nxt], rows, features, start, budget)
-        t3 = clock.mark(on_device)
-
-        # by position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting lookup is not the draft's
-        if self.mode == "ngram":
-            stats.record_round(L, m, chain=(L, n))
-        else:
-            stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
-        if self.auto:
-            self._learn(K, n_chain, L, n_lookup, W if K else 0, winner_rank)
-        book_phases(clock, stats, (t0, t1, t2, t3), (h0, h1, h2, h3, time.perf_counter()), K + L > 0)
+        with state.clock.round(stats) as timer:
+            W, K, lookup = self._plan(state, budget - len(tokens) - 1, sampling.greedy)
+            timer.begin(device=K > 0)  # drafting rounds queue work the host does not wait for: timed by CUDA events
+            lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=self.device) if lookup else None
+            with timer.phase("draft"):
+                block = self._draft_forward(state, x_start, start, K) if K else None
+            with timer.phase("rollout"):
+                drafts, chain = self._propose(block, x_start, W, sampling, generator)
+            with timer.phase("verify"):
+                verdict = self._verify(state, x_start, drafts, chain, lookup_tokens, sampling, generator, timer)
+                m, reason = self._commit(state, tokens, verdict.tokens, verdict.rows, verdict.features, start, budget)
+            timer.drafted = verdict.drafted + verdict.lookup > 0
+        self._account(stats, verdict, m)
         return m, reason
+
+    def _propose(self, block, x_start, W: int, sampling, generator) -> tuple[list[torch.Tensor], Optional[DraftChain]]:
+        """The draft block (z [K, H], u [K, V]) or None -> (the draft's proposals: W branches [K] each
+        (greedy), one chain cut at `confidence_cut`, or none; the chain, for its q when sampling)."""
+        if block is None:
+            return [], None
+        z, base_logits = block
+        if W > 1:
+            return list(self.head.branches(z, base_logits, x_start, W)), None
+        chain = self.head.chain(z, base_logits, x_start, sampling, generator, self.options.confidence_cut > 0)
+        return [chain.tokens[:self._cut(chain)]], chain
+
+    def _verify(self, state, x_start, drafts: list[torch.Tensor], chain: Optional[DraftChain],
+                lookup: Optional[torch.Tensor], sampling, generator, timer) -> Verdict:
+        """One target forward over [x_start, proposals] -> Verdict. Several proposals (the draft's
+        branches, a lookup beside them: greedy only, see _plan) verify as a tree (engine.fork)."""
+        parts = drafts + ([lookup] if lookup is not None else [])
+        K, L = (drafts[0].numel() if drafts else 0), (lookup.numel() if lookup is not None else 0)
+        ids = torch.cat([x_start, *parts])
+        if len(parts) > 1:
+            logits, features = state.kv.forward(ids[None], keep=ids.numel(),
+                                                tree=branch_tree([p.numel() for p in parts], self.device))
+            with timer.waiting():
+                tree = accept_branches(parts, logits[0])
+            W = len(drafts)
+            n_draft = max(tree.per_branch[:W])
+            return Verdict(parts[tree.winner][:tree.accepted].tolist() + [tree.next_token], tree.rows, features,
+                           drafted=K, branches=W, lookup=L, n_chain=tree.per_branch[0], n_draft=n_draft,
+                           n_lookup=tree.per_branch[W] if L else 0, winner=tree.winner,
+                           winner_rank=tree.winner + 1 if tree.winner < W and n_draft else 0, branched=True)
+        proposal = parts[0] if parts else x_start[:0]
+        logits, features = state.kv.forward(ids[None], keep=ids.numel())
+        logits = logits[0]  # [K+1, V]; row i: the target's next-token logits after ids[i]
+        with timer.waiting():
+            if sampling.greedy:
+                n, nxt = accept_greedy(proposal, logits)
+            else:
+                q = self._draft_probs(chain, K, logits.shape[-1]) if K else self._draft_probs(None, L, logits.shape[-1], proposal)
+                n, nxt = accept_sampled(proposal, q, sampling.probs(logits), generator)
+        return Verdict(proposal[:n].tolist() + [nxt], list(range(n + 1)), features, drafted=K, branches=int(K > 0),
+                       lookup=L, n_chain=n, n_draft=n, n_lookup=n, winner_rank=1 if K and n else 0)
+
+    def _account(self, stats, v: Verdict, m: int) -> None:
+        """A round's verdict (m tokens committed) -> the generation's stats and auto-K's models. By
+        position: the draft's chains, or its best branch (in `ngram` mode its lookups); an assisting
+        lookup is not the draft's."""
+        if v.branched:
+            stats.fork_rounds += v.lookup > 0
+            stats.fork_lookup_wins += v.lookup > 0 and v.winner == v.branches
+            stats.tree_rounds += v.branches > 1
+            stats.tree_side_wins += 0 < v.winner < v.branches
+        else:
+            stats.lookup_rounds += v.lookup > 0 and self.mode != "ngram"
+        if self.mode == "ngram":
+            stats.record_round(v.lookup, m, chain=(v.lookup, v.accepted))
+        else:
+            stats.record_round(v.branches * v.drafted + v.lookup, m, chain=(v.drafted, v.n_draft) if v.drafted else None)
+        if self.auto:
+            self._learn(v.drafted, v.n_chain, v.lookup, v.n_lookup, v.branches, v.winner_rank)
 
     def _commit(self, state, tokens: list[int], proposed: list[int], rows: list[int], features, start: int,
                 budget: int) -> tuple[int, Optional[str]]:
@@ -586,7 +573,7 @@ class SpecEngine:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _runners(self, rows: int):
+    def runners(self, rows: int):
         """A generation of at most `rows` positions -> (target KV runner, draft block runner or None), reset.
         The static ones (CUDA graphs on a GPU) when `static_cache` is on and `rows` fit them, in the
         smallest capacity bucket that holds `rows` (`static_buckets`); else the dynamic ones."""
@@ -626,8 +613,8 @@ class SpecEngine:
             for name, runner in zip(("target", "draft"), pair):
                 if runner is not None:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
-        if self.head_graphs is not None:
-            failures.update({f"head rollout {key}": err for key, err in self.head_graphs.graphs.failures.items()})
+        if self.head is not None and self.head.graphs is not None:
+            failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
         return failures
 
     def _take_pending(self, state) -> Optional[torch.Tensor]:
@@ -664,7 +651,7 @@ class SpecEngine:
     def _decode(self, tokens: list[int]) -> str:
         return self.target.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _now(self) -> float:
+    def now(self) -> float:
         """Wall clock; waits for queued GPU work first so phases are timed, not launched."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -21,17 +21,17 @@ features hold exactly x_start and the accepted drafts. Its shape:
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dominospec.engine.clock import book_phases
 from dominospec.engine.sampling import Sampling, first_mismatch
 from dominospec.engine.tree_accept import GreedyWalk, accept_sampled_tree
 from dominospec.engine.tree_policy import choose_nodes
+from dominospec.engine.verdict import Verdict
 
 if TYPE_CHECKING:
+    from dominospec.engine.domino_tree import DraftTree
     from dominospec.engine.spec import SpecEngine
     from dominospec.engine.stats import GenerationStats
 
@@ -55,59 +55,66 @@ def plan_tree(engine: "SpecEngine", state, room: int, greedy: bool) -> tuple[int
 def tree_round(engine: "SpecEngine", state, tokens: list[int], start: int, budget: int, sampling: Sampling,
                generator: Optional[torch.Generator], stats: "GenerationStats") -> tuple[int, Optional[str]]:
     """The round (module docstring) -> (tokens committed, finish reason)."""
-    room = budget - len(tokens) - 1
-    h0 = time.perf_counter()
     x_start = torch.tensor([tokens[-1]], device=engine.device)
-    clock = state.clock
-    n, K, lookup = plan_tree(engine, state, room, sampling.greedy)
-    h1 = time.perf_counter()
-    L, on_device = len(lookup), K > 0
-    t0 = clock.mark(device=on_device)
-    lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=engine.device) if L else None
-    tree = None
-    if K:
-        z, base_logits = engine._draft_forward(state, x_start, start, K)
-    t1 = clock.mark(on_device)
-    if K:
-        tree = engine.grower.grow(z, base_logits, x_start, sampling)
-        n = min(n, tree.size)
-    t2 = clock.mark(on_device)
+    with state.clock.round(stats) as timer:
+        n, K, lookup = plan_tree(engine, state, budget - len(tokens) - 1, sampling.greedy)
+        timer.begin(device=K > 0)
+        lookup_tokens = torch.tensor(lookup, dtype=torch.long, device=engine.device) if lookup else None
+        with timer.phase("draft"):
+            block = engine._draft_forward(state, x_start, start, K) if K else None
+        with timer.phase("rollout"):
+            tree = engine.grower.grow(*block, x_start, sampling) if block is not None else None
+        with timer.phase("verify"):
+            verdict = verify_tree(state, x_start, tree, n, lookup, lookup_tokens, sampling, generator, timer)
+            m, reason = engine._commit(state, tokens, verdict.tokens, verdict.rows, verdict.features, start, budget)
+        timer.drafted = verdict.branches + verdict.lookup > 0
 
+    path = verdict.draft_rows  # the tree's verify rows on its accepted path (rows 1..n)
+    stats.record_round(verdict.branches + verdict.lookup, m, chain=(K, verdict.n_draft) if K else None)
+    stats.tree_rounds += verdict.branches > 1
+    stats.tree_side_wins += bool(path) and path[0] != 1  # the path left the draft's best first token
+    stats.lookup_rounds += verdict.lookup > 0 and not K
+    stats.fork_rounds += verdict.lookup > 0 and K > 0
+    stats.fork_lookup_wins += verdict.lookup > 0 and K > 0 and verdict.winner == 1
+    if engine.auto:
+        engine.tree_model.update(verdict.branches, [(r - 1, depth) for depth, r in enumerate(path, start=1)])
+        engine.acceptance.update(K, verdict.n_draft)
+        if engine.lookup_acceptance is not None:
+            engine.lookup_acceptance.update(verdict.lookup, verdict.n_lookup)
+    return m, reason
+
+
+def verify_tree(state, x_start: torch.Tensor, tree: Optional["DraftTree"], n: int, lookup: list[int],
+                lookup_tokens: Optional[torch.Tensor], sampling: Sampling, generator: Optional[torch.Generator],
+                timer) -> Verdict:
+    """One target forward over [x_start, the tree's best n nodes, the lookup] -> Verdict: the
+    longest accepted path (greedy) or the rejection sampler's (sampled). Its `branches` are the n
+    nodes verified, `n_draft` the accepted path's length in the tree, `winner` 1 when the lookup's
+    path was kept (0: the tree's)."""
+    n = min(n, tree.size) if tree is not None else 0
+    L = len(lookup)
     ids = torch.cat([x_start] + ([tree.tokens[:n]] if n else []) + ([lookup_tokens] if L else []))
     if tree is not None:
         shape, parents = tree.verify_rows(n, L)
     else:  # a lookup alone (or a plain step): one chain
-        shape, parents = None, chain_parents(1 + L, engine.device)
+        shape, parents = None, chain_parents(1 + L, x_start.device)
     logits, features = state.kv.forward(ids[None], keep=1 + n + L, tree=shape)
-    h2 = time.perf_counter()
-    if sampling.greedy:
-        walk = GreedyWalk(ids, parents, logits[0])
-        tree_path, lookup_path = walk.path(range(1, n + 1)), walk.path(range(n + 1, n + L + 1))
-        path = lookup_path if len(lookup_path) > len(tree_path) else tree_path
-        rows, nxt = [0] + path, walk.choice[path[-1] if path else 0]
-        accepted = [walk.proposed[r] for r in path]
-        n_lookup = first_mismatch(lookup, [walk.choice[0]] + [walk.choice[n + k] for k in range(1, L + 1)])[0] if L else 0
-    else:
-        rows, accepted, nxt = accept_sampled_tree(ids, parents, sampling.probs(logits[0]), generator)
-        tree_path = [r for r in rows[1:] if r <= n]
-        n_lookup = len(rows) - 1 - len(tree_path)
-    h3 = time.perf_counter()
-    m, reason = engine._commit(state, tokens, accepted + [nxt], rows, features, start, budget)
-    t3 = clock.mark(on_device)
-
-    stats.record_round(n + L, m, chain=(K, len(tree_path)) if K else None)
-    stats.tree_rounds += n > 1
-    stats.tree_side_wins += bool(tree_path) and tree_path[0] != 1  # the path left the draft's best first token
-    stats.lookup_rounds += L > 0 and not K
-    stats.fork_rounds += L > 0 and K > 0
-    stats.fork_lookup_wins += L > 0 and K > 0 and bool(rows[1:]) and rows[1] > n
-    if engine.auto:
-        engine.tree_model.update(n, [(r - 1, depth) for depth, r in enumerate(tree_path, start=1)])
-        engine.acceptance.update(K, len(tree_path))
-        if engine.lookup_acceptance is not None:
-            engine.lookup_acceptance.update(L, n_lookup)
-    book_phases(clock, stats, (t0, t1, t2, t3), (h0, h1, h2, h3, time.perf_counter()), n + L > 0)
-    return m, reason
+    with timer.waiting():
+        if sampling.greedy:
+            walk = GreedyWalk(ids, parents, logits[0])
+            tree_path, lookup_path = walk.path(range(1, n + 1)), walk.path(range(n + 1, n + L + 1))
+            path = lookup_path if len(lookup_path) > len(tree_path) else tree_path
+            rows, nxt = [0] + path, walk.choice[path[-1] if path else 0]
+            accepted = [walk.proposed[r] for r in path]
+            n_lookup = first_mismatch(lookup, [walk.choice[0]] + [walk.choice[n + k] for k in range(1, L + 1)])[0] if L else 0
+        else:
+            rows, accepted, nxt = accept_sampled_tree(ids, parents, sampling.probs(logits[0]), generator)
+            tree_path = [r for r in rows[1:] if r <= n]
+            n_lookup = len(rows) - 1 - len(tree_path)
+    lookup_won = bool(rows[1:]) and rows[1] > n
+    return Verdict(accepted + [nxt], rows, features, drafted=int(tree is not None), branches=n, lookup=L,
+                   n_chain=len(tree_path), n_draft=len(tree_path), n_lookup=n_lookup, winner=int(lookup_won),
+                   branched=n > 1 or (n > 0 and L > 0), draft_rows=tuple(tree_path))
 
 
 def chain_parents(T: int, device: torch.device) -> torch.Tensor:

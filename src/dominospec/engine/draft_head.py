@@ -1,0 +1,179 @@
+"""The draft's proposal for one block, decided in one place: the model's rollout, the Triton kernels, or their CUDA graphs.
+
+Input: z [K, H] (final normed draft states of slots 0..K-1; slot j predicts x[start+1+j]) and the
+base logits u = lm_head(z) [K, V], both in the draft path's dtype, and x_start [1].
+
+- head off (`dflash`): d_j is drawn from u_j independently (a branch w takes the w-th best d_1).
+- head on (`domino`): slot j >= P (pure_draft_prefix_len) draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]),
+  s_j the GRU state after [x_start, d_1..d_j]: the model's `rollout`, which is the one torch
+  reference. The Triton kernels (`kernels.head_rollout`, `kernels.head_branches`) are its greedy
+  fast path and are tested against it; `RolloutGraphs` replays them as CUDA graphs.
+- candidate pool (head on, pool_size M > 0; SGLang's `--speculative-domino-candidate-pool-size`):
+  the corrected steps score only the M tokens with the highest base logit over those steps,
+  `cand = topk(max_{j >= P} u_j, M)`, so a step reads M rows of W2 instead of V. Tokens outside
+  the pool get probability 0. M = 0 (or M >= V) is the exact full vocabulary.
+- branches (greedy, `tree_width` W > 1): the W most likely first tokens of u_0, each drafted on
+  with the head correcting every branch for its own prefix (engine.fork verifies them as a tree).
+  Branch 0 with W = 1 is the greedy chain.
+
+Only verification must be exact: a pool, like a bf16 draft, only changes which tokens are
+proposed. When sampling, q_j (returned dense, [K, V]) is exactly the distribution d_j was drawn
+from, which is what lossless speculative sampling needs. `confidence[j]` is q_j(d_j) (greedy:
+the softmax of the scored logits at the argmax), the draft's own belief in d_j.
+
+Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains and
+branches of `domino` on the kernels when they are prepared (graphs on static caches), everything
+else (sampled chains, `dominotree`'s build, CPU) on torch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dominospec.engine.head_kernels import RolloutGraphs, first_tokens, prepare_head_kernels, tree_rollout, triton_usable
+from dominospec.engine.sampling import Sampling
+
+
+@dataclass
+class DraftChain:
+    """tokens [K] (long); probs [K, V] float32 when sampling, else None; confidence [K] float32 or None."""
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor]
+    confidence: Optional[torch.Tensor]
+
+
+def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Optional[torch.Tensor]:
+    """u [K, V] -> ids [M] of the top-M of max over rows first..K-1 (None: full vocabulary)."""
+    K, V = base_logits.shape
+    if pool_size <= 0 or pool_size >= V or first >= K:
+        return None
+    best = base_logits[first]  # [V]: the max over rows first..K-1, elementwise (a dim-0 reduction is 20x slower on CPU)
+    for row in base_logits[first + 1:]:
+        best = torch.maximum(best, row)
+    return torch.topk(best, pool_size, sorted=False).indices  # [M], in no order: the set is what counts (1.4x faster)
+
+
+def pooled_head(draft: Any, base_logits: torch.Tensor, cand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's W2 [V, r] and u [K, V] restricted to the pool `cand` [M] (None: the full
+    vocabulary) -> ([M, r], [K, M]), gathered once per block (index_select: a tenth of an advanced
+    index's time on CPU). Row m scores token cand[m]. The model's rollout gathers the same way."""
+    w2 = draft.embed_proj[2].weight
+    if cand is None:
+        return w2, base_logits
+    return w2.index_select(0, cand), base_logits.index_select(1, cand)
+
+
+class DraftHead:
+    """One engine's way of drafting a block (module docstring). `corrects`: the Domino head runs
+    (domino, dominotree); `kernels`: the head prepared for the Triton kernels or None;
+    `graphs`: their greedy rollouts on static buffers or None."""
+
+    def __init__(self, draft: Any, embed_tokens: Any, corrects: bool, pool_size: int, kernels: Any = None,
+                 graphs: Optional[RolloutGraphs] = None):
+        self.draft, self.embed_tokens, self.corrects, self.pool_size = draft, embed_tokens, corrects, pool_size
+        self.kernels, self.graphs = kernels, graphs
+        self.P = int(draft.config.pure_draft_prefix_len)
+
+    def pool(self, base_logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """u [K, V] -> the block's candidate pool ids [M], or None (full vocabulary)."""
+        return candidate_pool(base_logits, self.P, self.pool_size)
+
+    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
+              generator: Optional[torch.Generator], confidence: bool) -> DraftChain:
+        """z [K, H], u [K, V], x_start [1] -> DraftChain of K tokens (`confidence`: greedy chains
+        compute q_j(d_j) only when asked, a softmax per step)."""
+        want = confidence or not sampling.greedy
+        if not self.corrects:  # independent draws: all K rows at once
+            return _draw_rows(base_logits, sampling, generator, want)
+        if sampling.greedy and self.graphs is not None:  # the whole rollout, pool selection included, as one graph
+            tokens, belief = self.graphs.chain(z, base_logits, x_start, want)
+            return DraftChain(tokens, None, belief)
+        if sampling.greedy and self.kernels is not None:  # the whole rollout on device, the pool's selection fused
+            from dominospec.kernels.head_rollout import head_rollout
+            from dominospec.kernels.pool_select import pool_select
+
+            chain = head_rollout(self.kernels, z, base_logits, x_start, pool_select(base_logits, self.P, self.pool_size),
+                                 confidence=want)
+            return DraftChain(chain.tokens, None, chain.confidence)
+        cand = self.pool(base_logits)
+        if sampling.greedy and not want:
+            out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, pool=cand, keep_logits=False)
+            return DraftChain(out.tokens, None, None)
+        draws = _Draws(sampling, generator, base_logits.shape[-1], cand)
+        out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, sampler=draws, pool=cand, keep_logits=False)
+        return DraftChain(out.tokens, torch.stack(draws.probs) if draws.probs else None, torch.stack(draws.beliefs))
+
+    def branches(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int) -> torch.Tensor:
+        """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long), greedy: branch w starts with the
+        w-th most likely d_1 (branch 0: the chain's own) and is drafted on from there."""
+        if not self.corrects:  # head off: every branch continues with argmax u_j
+            K = base_logits.shape[0]
+            tokens = base_logits.float().argmax(-1).expand(width, K).clone()
+            tokens[:, 0] = first_tokens(base_logits[0], width)
+            return tokens
+        if self.graphs is not None:
+            return self.graphs.branches(z, base_logits, x_start, width)
+        if self.kernels is not None:
+            return tree_rollout(self.kernels, z, base_logits, x_start, width, self.pool_size)
+        return self.draft.rollout(z, base_logits, x_start, self.embed_tokens, first=first_tokens(base_logits[0], width),
+                                  pool=self.pool(base_logits), keep_logits=False).tokens
+
+
+def draft_head(draft: Any, embed_tokens: Any, mode: str, head_kernel: str, pool_size: int, static_cache: bool,
+               cuda_graphs: bool, block_size: int, dtype: torch.dtype, device: torch.device) -> DraftHead:
+    """The engine's DraftHead: `engine.head_kernel` (torch | triton | auto: Triton where it runs
+    compiled, a CUDA draft) decides the kernels for `domino`'s greedy rollouts, and static caches
+    their CUDA graphs (replayed when `cuda_graphs`, eager otherwise). `dominotree` grows its tree with
+    torch ops (as one graph on CUDA: engine.domino_tree), and `dflash` runs no head."""
+    corrects = mode in ("domino", "dominotree")
+    if head_kernel == "auto":
+        head_kernel = "triton" if triton_usable(draft.embed_proj[2].weight.device) else "torch"
+    if mode != "domino" or head_kernel != "triton":
+        return DraftHead(draft, embed_tokens, corrects, pool_size)
+    kernels = prepare_head_kernels(draft, embed_tokens)
+    graphs = None
+    if static_cache:
+        graphs = RolloutGraphs(kernels, block_size, draft.config.hidden_size, kernels.w2.shape[0], dtype, device,
+                               pool_size, enabled=cuda_graphs)
+    return DraftHead(draft, embed_tokens, corrects, pool_size, kernels, graphs)
+
+
+class _Draws:
+    """A sampler for the model's rollout (one row) that keeps what the engine needs of each draw:
+    q_j scattered over the vocabulary V (sampling) and q_j(d_j), the draft's belief. A step scored
+    over the pool sees M < V columns; `pool` maps them back."""
+
+    def __init__(self, sampling: Sampling, generator: Optional[torch.Generator], vocab: int,
+                 pool: Optional[torch.Tensor]):
+        self.sampling, self.generator, self.vocab, self.pool = sampling, generator, vocab, pool
+        self.probs: list[torch.Tensor] = []  # [V] float32 per step (sampling only)
+        self.beliefs: list[torch.Tensor] = []  # 0-d float32 per step
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scored logits [1, N] -> the drawn position [1]."""
+        row = logits[0]
+        if self.sampling.greedy:
+            d = row.float().argmax()  # the same index (exact cast), 2x faster than a bf16 argmax on CPU
+            self.beliefs.append(torch.softmax(row.float(), -1)[d])
+            return d.reshape(1)
+        q = self.sampling.probs(row[None])[0]  # [N] float32
+        d = torch.multinomial(q[None], 1, generator=self.generator)[0, 0]
+        self.beliefs.append(q[d])
+        self.probs.append(q if q.shape[0] == self.vocab else q.new_zeros(self.vocab).index_copy_(0, self.pool, q))
+        return d.reshape(1)
+
+
+def _draw_rows(logits: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],
+               want: bool) -> DraftChain:
+    """Logits [K, V] -> one independent draw per row."""
+    if sampling.greedy:
+        tokens = logits.float().argmax(-1)  # [K]; the same index (exact cast), 2x faster than a bf16 argmax on CPU
+        confidence = torch.softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0] if want else None
+        return DraftChain(tokens, None, confidence)
+    q = sampling.probs(logits)  # [K, V] float32
+    tokens = torch.multinomial(q, 1, generator=generator)[:, 0]
+    return DraftChain(tokens, q, q.gather(1, tokens[:, None])[:, 0])
