@@ -6,16 +6,14 @@ The load is benchmarks/load.py's `run_load`. Run: python -m pytest tests/serve/t
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from serve_helpers import KEY, KEY_ENV, REPO, authorised_client, running_server
+from serve_helpers import KEY, KEY_ENV, authorised_client, running_server
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from load import run_load, send  # noqa: E402
+from dominospec.bench import run_load, send
 
 MAX_QUEUE = 4
 LIMITS = dict(max_queue=MAX_QUEUE, max_body_bytes=65536, max_prompt_tokens=256, max_tokens_limit=1000,
