@@ -10,7 +10,7 @@ hits them alike:
     rounds  AR and Domino (params engine:, auto-K, the trained draft) on the first --prompts prompts
             of a suite: the drafted round in AR steps and the decode speed-up, per attention
 
-    python benchmarks/attention_cpu.py [--params params.yaml] [--draft artifacts/draft] [--suite humaneval]
+    python benchmarks/studies/attention_cpu.py [--params params.yaml] [--draft artifacts/draft] [--suite humaneval]
         [--prompts 6] [--new-tokens 128] [--threads 2] [--reps 8] [--skip-rounds]
 
 Prints a markdown table per measurement.
@@ -18,12 +18,13 @@ Prints a markdown table per measurement.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
+from dominospec.bench import load_draft, load_target, parser, setup, suites
 
 CONTEXTS = (150, 300, 600)
 ROWS = (1, 5, 12)
@@ -76,12 +77,11 @@ def forward_ms(target, S: int, T: int, reps: int) -> dict[str, float]:
 
 def rounds(target, params, draft_path: str, suite: str, prompts: int, new_tokens: int) -> dict[str, dict[str, float]]:
     """AR and Domino per attention, interleaved prompt by prompt -> {attention: round / AR step, τ, decode speed-up}."""
-    from dominospec.engine import SpecEngine, load_draft
+    from dominospec.engine import SpecEngine
     from dominospec.engine.configure import engine_options
-    from dominospec.eval.prompts import load_suite
 
-    loaded = load_suite(suite, target.tokenizer, params.paths.prepared, prompts, params.evaluate.max_prompt_tokens)
-    draft = load_draft(draft_path, target)
+    loaded = next(suites(params, target.tokenizer, prompts, [suite]))
+    draft = load_draft(params, target, draft_path)
     options = engine_options(params.engine, "packed")
     engines = {name: (SpecEngine(target, None, "ar", None, options), SpecEngine(target, draft, "domino", "auto", options))
                for name in ATTENTIONS}
@@ -114,22 +114,16 @@ def rounds(target, params, draft_path: str, suite: str, prompts: int, new_tokens
 
 
 def main() -> None:
-    from dominospec.config import load_params
     from dominospec.engine.attention import use_grouped_sdpa
     from dominospec.engine.packed import pack_linears
-    from dominospec.target import load_target
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--draft", default="artifacts/draft")
-    parser.add_argument("--suite", default="humaneval")
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--skip-rounds", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    p = parser(__doc__, threads=2, prompts=6, new_tokens=128)
+    p.add_argument("--draft", default="artifacts/draft")
+    p.add_argument("--suite", default="humaneval")
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--skip-rounds", action="store_true")
+    args = p.parse_args()
+    params = setup(args)
 
     print("| S | T | repeat_kv + SDPA µs | SDPA enable_gqa µs |\n|---|---|---|---|")
     for S in CONTEXTS:
@@ -137,8 +131,7 @@ def main() -> None:
             us = layer_us(S, T)
             print(f"| {S} | {T} | {us['repeat_kv']:.0f} | {us['enable_gqa']:.0f} |", flush=True)
 
-    params = load_params(args.params)
-    target = load_target(params.target)
+    target = load_target(params)
     pack_linears(target.model)
     use_grouped_sdpa(target.model)
     print("\n| S | T | forward ms, sdpa | forward ms, grouped_sdpa |\n|---|---|---|---|")

@@ -14,7 +14,7 @@ and verifies K), on CUDA graphs as the engine runs them. For each dtype:
 4. kernels (with --trace): torch.profiler over a few domino rounds: device-busy share of the wall
    and the kernels that take the most device time.
 
-    python benchmarks/round_profile_gpu.py [--params params/smollm2-h200.yaml] [--k 7] [--dtypes bfloat16,float32]
+    python benchmarks/studies/round_profile_gpu.py [--params params/smollm2-h200.yaml] [--k 7] [--dtypes bfloat16,float32]
         [--prompts 4] [--new-tokens 96] [--context 300] [--reps 50] [--trace] --out result.json
 
 Prints a markdown table last.
@@ -22,43 +22,27 @@ Prints a markdown table last.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from head_kernels_gpu import median_ms  # noqa: E402
-
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+from dominospec.bench import (SMOLLM2_135M, environment, median_ms, parser, random_draft, random_target, require_cuda,
+                              setup, write_json)
 
 
-def random_target(dtype: torch.dtype, device: torch.device):
-    """A SmolLM2-135M-shaped Llama with random weights and a word-level tokenizer of its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+def smollm2_shaped(dtype: torch.dtype, device: torch.device):
+    """A SmolLM2-135M-shaped Llama (sdpa attention) with random weights and a word-level tokenizer of its vocabulary."""
+    from transformers import LlamaConfig
 
-    from dominospec.target import Target, TargetIdentity
-
-    V = SMOLLM2["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-                                        pad_token="t2")
-    torch.manual_seed(0)
-    config = LlamaConfig(**SMOLLM2)
+    config = LlamaConfig(**SMOLLM2_135M)
     config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
-    identity = TargetIdentity(name="smollm2-shaped-random", revision=None, sha256="random", dtype=str(dtype)[6:],
-                              num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=V)
-    return Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
+    return random_target(config, dtype, device, name="smollm2-shaped-random")
+
+
+def device_ms(fn, reps: int) -> float:
+    """Median device ms of one call (CUDA events) after up to 10 warm-ups."""
+    return median_ms(fn, reps, True, warmup=min(reps, 10), events=True)
 
 
 def replay_times(engine, K: int, reps: int) -> dict:
@@ -66,13 +50,13 @@ def replay_times(engine, K: int, reps: int) -> dict:
     kv, drafter = engine._static
     out = {}
     for T, (graph, _) in sorted(kv.graphs.graphs.items()):
-        out[f"target T={T}"] = median_ms(graph.replay, reps, cuda=True)
+        out[f"target T={T}"] = device_ms(graph.replay, reps)
     if drafter is not None:
         for S, (graph, _) in sorted(drafter.graphs.graphs.items()):
-            out[f"draft S={S}"] = median_ms(graph.replay, reps, cuda=True)
+            out[f"draft S={S}"] = device_ms(graph.replay, reps)
     if engine.head_graphs is not None:
         for key, (graph, _) in sorted(engine.head_graphs.graphs.graphs.items()):
-            out[f"rollout K={key[0]}"] = median_ms(graph.replay, reps, cuda=True)
+            out[f"rollout K={key[0]}"] = device_ms(graph.replay, reps)
     return out
 
 
@@ -134,36 +118,28 @@ def trace(engine, prompt, new_tokens: int, top: int = 15) -> dict:
 
 
 def main() -> None:
-    from round_cost import random_draft
-
-    from dominospec.config import load_params
     from dominospec.engine import EngineOptions, SpecEngine
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params/smollm2-h200.yaml", help="its draft: and engine.candidate_pool")
-    parser.add_argument("--k", type=int, default=7)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--context", type=int, default=300, help="prompt tokens")
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--trace", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: no CUDA device")
+    p = parser(__doc__, params="params/smollm2-h200.yaml", prompts=4, new_tokens=96)
+    p.add_argument("--k", type=int, default=7)
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--context", type=int, default=300, help="prompt tokens")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    require_cuda(hint="")
     device = torch.device("cuda")
-    params = load_params(args.params)
+    params = setup(args)  # its draft: and engine.candidate_pool
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, SMOLLM2["vocab_size"], (args.context + 7 * i,), generator=g).tolist()
+    prompts = [torch.randint(3, SMOLLM2_135M["vocab_size"], (args.context + 7 * i,), generator=g).tolist()
                for i in range(args.prompts)]
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, command=" ".join(sys.argv), k=args.k, context=args.context,
-                  new_tokens=args.new_tokens, pool=params.engine.candidate_pool, dtypes={})
+    result = dict(**environment(True), k=args.k, context=args.context, new_tokens=args.new_tokens,
+                  pool=params.engine.candidate_pool, dtypes={})
     result["host_us"] = host_calls()
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        target = random_target(dtype, device)
+        target = smollm2_shaped(dtype, device)
         draft = random_draft(params, target).to(device)
         options = EngineOptions(draft_dtype=torch.bfloat16, head_kernel="triton", static_cache=True, cuda_graphs=True,
                                 graph_capacity=1024, candidate_pool=params.engine.candidate_pool)
@@ -183,8 +159,7 @@ def main() -> None:
             entry["trace"] = {m: trace(engines[m], prompts[0], 32) for m in ("ar", f"domino K={args.k}")}
         del engines, target, draft
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(f"\n{result['date']}, {result['device']}, torch {result['torch']}, random SmolLM2-135M-shaped target, "
           f"preset draft architecture, K = {args.k}, pool {result['pool']}, context {args.context}")
     print("\nhost µs a call (GPU idle): " + ", ".join(f"{k} {v:.1f}" for k, v in result["host_us"].items()))

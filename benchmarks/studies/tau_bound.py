@@ -17,7 +17,7 @@ off-by-one between training and the engine would put the peak elsewhere than x[a
 it, counted on the replies of the train split): what a draft must beat to have learnt more than
 token statistics.
 
-    python benchmarks/tau_bound.py --params params.yaml [--draft artifacts/draft] [--split val] \
+    python benchmarks/studies/tau_bound.py --params params.yaml [--draft artifacts/draft] [--split val] \
         [--max-sequences 24] [--out tau_bound.json]
 
 Prints a markdown table last; CPU or GPU (the target's device).
@@ -25,12 +25,12 @@ Prints a markdown table last; CPU or GPU (the target's device).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+
+from dominospec.bench import draft_record, load_draft, load_target, parser, setup, write_json
 
 BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
 
@@ -103,22 +103,19 @@ def table(records: torch.Tensor) -> list[dict]:
 
 
 def main() -> None:
-    from dominospec.config import load_params
-    from dominospec.engine import draft_dir, load_draft
-    from dominospec.target import load_target
+    from dominospec.engine import draft_dir
     from dominospec.train.datamodule import PreparedSequences
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--draft", help="draft dir (default: the pipeline's export, else its final checkpoint)")
-    parser.add_argument("--split", default="val")
-    parser.add_argument("--max-sequences", type=int, default=24)
-    parser.add_argument("--out", help="JSON result path")
-    args = parser.parse_args()
-    params = load_params(args.params)
-    target = load_target(params.target)
+    p = parser(__doc__)
+    p.add_argument("--draft", help="draft dir (default: the pipeline's export, else its final checkpoint)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--max-sequences", type=int, default=24)
+    p.add_argument("--out", help="JSON result path")
+    args = p.parse_args()
+    params = setup(args)
+    target = load_target(params)
     source = args.draft or draft_dir(params.paths)
-    draft = load_draft(source, target)
+    draft = load_draft(params, target, source)
     data_root = Path(params.paths.regenerated if params.regenerate.enabled else params.paths.prepared)
     seqs = PreparedSequences(data_root, args.split, args.max_sequences)
     ngram = NgramBaseline()
@@ -127,11 +124,11 @@ def main() -> None:
     records = torch.cat([anchor_records(draft, target, item["input_ids"], item["loss_mask"], ngram) for item in seqs])
     rows = table(records)
     alignment = {f"d1_equals_x[a{k}]": float(records[:, 2 + i].mean()) for i, k in enumerate(("", "+1", "+2"))}
-    result = dict(draft=str(source), data=str(data_root), split=args.split, sequences=len(seqs), anchors=len(records),
+    result = dict(draft=str(source), draft_sha256=draft_record(source)["draft_sha256"], data=str(data_root), split=args.split, sequences=len(seqs), anchors=len(records),
                   draft_right=float(records[:, 1].mean()), target_p1_mean=float(records[:, 0].mean()), buckets=rows,
                   alignment=alignment, ngram_right=float(records[:, 5].mean()))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     print(f"{len(seqs)} {args.split} replies of {data_root}, {len(records)} anchors, draft {source}: first drafted "
           f"token right {100 * result['draft_right']:.1f} %, the target's mean top-1 probability {result['target_p1_mean']:.2f}\n")
     print("alignment: d_1 equals " + ", ".join(f"{k[10:]} {100 * v:.1f} %" for k, v in alignment.items())

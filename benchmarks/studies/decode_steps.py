@@ -8,43 +8,40 @@ decode time includes freeing the finished slots, as the stage does, so the last 
 caches' compaction), and with `--profile` the ops of a packed prefill and of 4 decode steps on a
 quarter of the slots, under torch.profiler.
 
-    python benchmarks/decode_steps.py [--slots 1024] [--new-tokens 64] [--dtype float32] [--group N] [--profile]
+    python benchmarks/studies/decode_steps.py [--slots 1024] [--new-tokens 64] [--dtype float32] [--group N] [--profile]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 
+from dominospec.bench import SMOLLM2_135M, device_name, parser, random_model, sync
+
 
 def main() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from dominospec.data.decoder import DecodePolicy, ReplyStream
     from dominospec.data.kv_batch import SlotKV, grouped_attention_on
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, params=None, new_tokens=64)
     p.add_argument("--slots", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--group", type=int, default=None, help="slots per KV group (default: kv_batch's for the device)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(device, getattr(torch, args.dtype)).eval()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    config = LlamaConfig(**SMOLLM2_135M)
+    model = random_model(config, getattr(torch, args.dtype), device)
     g = torch.Generator().manual_seed(0)
     prompts = sorted((torch.randint(0, 49152, (int(torch.randint(40, 600, (1,), generator=g)),), generator=g).tolist()
                       for _ in range(args.slots)), key=len)  # the stage sorts a chunk by prompt length
     kv = SlotKV(config.num_hidden_layers, args.slots, capacity=64, limit=1025, group_slots=args.group, device=device)
     stream = ReplyStream(model, kv, DecodePolicy(stop_ids=()))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def profiled(label: str, steps: int) -> None:
         """`steps` calls of `stream.step()` (the stream of the moment) under torch.profiler -> its top ops, printed."""
@@ -55,7 +52,7 @@ def main() -> None:
             for _ in range(steps):
                 for key, _ in stream.step():
                     stream.end(key)
-            sync()
+            sync(cuda)
         print(f"== {label}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
         if device.type == "cuda":
@@ -66,16 +63,16 @@ def main() -> None:
             stream.start(i, ids, args.new_tokens)
         tick = time.perf_counter()
         stream.step()  # the packed prefill of every slot, then the first decode step
-        sync()
+        sync(cuda)
         prefill = time.perf_counter() - tick
         steps, tick = 0, time.perf_counter()
         while stream.running:
             for key, _ in stream.step():
                 stream.end(key)  # as the stage does: a finished conversation frees its slot
             steps += 1
-        sync()
+        sync(cuda)
         decode = time.perf_counter() - tick
-    row = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "slots": args.slots, "group": kv.group_slots,
+    row = {"device": device_name(cuda) if cuda else "cpu", "slots": args.slots, "group": kv.group_slots,
            "dtype": args.dtype, "prefill_s": round(prefill, 2), "decode_steps": steps, "decode_s": round(decode, 2),
            "ms_per_step": round(1e3 * decode / max(1, steps), 2), "tokens_per_s": round(args.slots * steps / decode)}
     print(json.dumps(row))

@@ -5,7 +5,7 @@ For a GPU machine without MLflow or DVC: it calls the train stage's pieces direc
 online` (target features computed in the step, no cache on disk). Each recipe overrides
 `train.*` keys of the params file; the last one may be sized to a time budget.
 
-    python benchmarks/train_recipes.py --params P.yaml --recipes cpu-default,lr-2e-3 \
+    python benchmarks/studies/train_recipes.py --params P.yaml --recipes cpu-default,lr-2e-3 \
         [--long-seconds 470 --save-draft OUT/draft]
 
 Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU default):
@@ -20,13 +20,14 @@ Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU de
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
 from typing import Any
 
 import torch
+
+from dominospec import bench
 
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu-default": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250),
@@ -81,17 +82,14 @@ def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str
 
 
 def main() -> None:
-    from dominospec.config import load_params
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--recipes", default="cpu-default,lr-2e-3,init-target,init-target-lr-2e-3")
-    parser.add_argument("--long-seconds", type=float, default=300.0, help="time budget of a recipe without max_steps")
-    parser.add_argument("--save-draft", help="save the last recipe's draft here (bf16, shards <= 15 MB)")
-    parser.add_argument("--accelerator", default="auto")
-    args = parser.parse_args()
+    p = bench.parser(__doc__)
+    p.add_argument("--recipes", default="cpu-default,lr-2e-3,init-target,init-target-lr-2e-3")
+    p.add_argument("--long-seconds", type=float, default=300.0, help="time budget of a recipe without max_steps")
+    p.add_argument("--save-draft", help="save the last recipe's draft here (bf16, shards <= 15 MB)")
+    p.add_argument("--accelerator", default="auto")
+    args = p.parse_args()
     torch.set_float32_matmul_precision("high")
-    params = load_params(args.params)
+    params = bench.setup(args)
     rows = []
     for name in args.recipes.split(","):
         recipe = RECIPES[name]

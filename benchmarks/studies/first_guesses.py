@@ -12,16 +12,16 @@ the draft's b most likely second tokens after it, W·b chains in all. Its second
 the target's is among those b of the branch with the right first token (the head's corrected slot 1
 after that token, teacher-forced: exact for greedy drafting), and that branch goes on as the chain.
 
-    python benchmarks/first_guesses.py [--params params.yaml] [--prompts 8] [--widths 1,2,3,4,6,8] [--second 1,2]
+    python benchmarks/studies/first_guesses.py [--params params.yaml] [--prompts 8] [--widths 1,2,3,4,6,8] [--second 1,2]
 
 Prints P(target's token among the first W guesses) and walk τ by W (and b), per suite, as a markdown table.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+
+from dominospec.bench import load_draft, load_target, parser, reply_blocks, setup, suites
 
 
 def walk_tau(items: list, width: int, head: bool, num_draft: int, second: int = 1) -> float:
@@ -42,43 +42,28 @@ def walk_tau(items: list, width: int, head: bool, num_draft: int, second: int = 
 
 
 def main() -> None:
-    from dominospec.cache.features import target_hidden
-    from dominospec.config import load_params
-    from dominospec.engine import SpecEngine, draft_dir, load_draft
-    from dominospec.eval.prompts import load_suite
-    from dominospec.target import load_target
-    from dominospec.train.objective import draft_block_logits, make_blocks
+    from dominospec.engine import SpecEngine
+    from dominospec.train.objective import draft_block_logits
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--widths", default="1,2,3,4,6,8")
-    parser.add_argument("--second", default="1", help="second-token branchings b to try with each W")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    params = load_params(args.params)
-    target = load_target(params.target)
-    draft = load_draft(draft_dir(params.paths), target)
-    config, K = draft.config, int(draft.config.block_size) - 1
+    p = parser(__doc__, threads=2, prompts=8, new_tokens=128)
+    p.add_argument("--widths", default="1,2,3,4,6,8")
+    p.add_argument("--second", default="1", help="second-token branchings b to try with each W")
+    args = p.parse_args()
+    params = setup(args)
+    target = load_target(params)
+    draft = load_draft(params, target)
+    K = int(draft.config.block_size) - 1
     ar = SpecEngine(target, None, "ar")
     widths = [int(w) for w in args.widths.split(",")]
     seconds = [int(b) for b in args.second.split(",")]
     print("| suite | W | b | chains | P(token among W guesses) | walk τ Domino | walk τ head off |\n|---|---|---|---|---|---|---|")
-    for spec in params.evaluate.suites:
-        suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts, params.evaluate.max_prompt_tokens)
+    for suite in suites(params, target.tokenizer, args.prompts):
         items = []
         for prompt in suite.prompts:
             answer = ar.generate(prompt, args.new_tokens).token_ids
-            ids = torch.tensor(list(prompt) + answer)
-            mask = torch.zeros(ids.numel(), dtype=torch.bool)
-            mask[len(prompt):] = True
-            feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], list(config.target_layer_ids))[0]
-            anchors = torch.arange(len(prompt), ids.numel() - 1)  # every x_start a round may start from
-            blocks = make_blocks(ids[None], mask[None], 0, config.block_size, config.mask_token_id, anchors=[anchors])
+            feats, anchors, blocks = reply_blocks(draft, target, prompt, answer)  # every x_start a round may start from
             with torch.no_grad():
-                base, final = draft_block_logits(draft, target.embed_tokens, target.lm_head, feats[None], blocks)
+                base, final = draft_block_logits(draft, target.embed_tokens, target.lm_head, feats, blocks)
             labels, valid = blocks.labels[0], blocks.label_mask[0]  # [A, B-1]
             gold = base[0, :, 0].gather(1, labels[:, :1])  # [A, 1]: the target's token's base logit at slot 0
             rank = (base[0, :, 0] > gold).sum(1)  # [A]: 0 = the draft's best guess
@@ -86,7 +71,7 @@ def main() -> None:
             rank2 = [(logits[0, :, 1] > logits[0, :, 1].gather(1, labels[:, 1:2])).sum(1) if K > 1
                      else torch.zeros_like(rank) for logits in (final, base)]
             items.append((anchors, rank, (final[0].argmax(-1) == labels) & valid, (base[0].argmax(-1) == labels) & valid,
-                          ids.numel(), *rank2, valid))
+                          len(prompt) + len(answer), *rank2, valid))
         ranks = torch.cat([item[1] for item in items])
         for w in widths:
             for b in seconds:

@@ -15,18 +15,19 @@ It also counts the tokens that repeat an n-gram the answer already holds (loops)
 whether re-tokenising the decoded answer (as regenerate stores it: text) gives back its tokens
 (answers alike; the share of answer tokens outside the blocks the two sequences share).
 
-    python benchmarks/walk_horizon.py [--params params.yaml] [--prompts 48] [--new-tokens 256] [--horizons 64,128,160,256]
+    python benchmarks/studies/walk_horizon.py [--params params.yaml] [--prompts 48] [--new-tokens 256] [--horizons 64,128,160,256]
 
 Prints one markdown table.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from difflib import SequenceMatcher
 
 import torch
+
+from dominospec.bench import load_draft, load_target, parser, setup
 
 
 def first_turns(prepared: str, split: str, limit: int, tokenizer, max_prompt_tokens: int) -> list[list[int]]:
@@ -78,24 +79,16 @@ def repeated(answer: list[int], n: int) -> list[bool]:
 
 def main() -> None:
     from dominospec.cache.features import target_hidden
-    from dominospec.config import load_params
-    from dominospec.engine import draft_dir, load_draft
-    from dominospec.target import load_target
     from dominospec.train.walk import WalkStats, accepted_drafts, walk_reply
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--prompts", type=int, default=48, help="first-turn prompts per split")
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--horizons", default="64,128,160,256")
-    parser.add_argument("--split", type=int, default=128, help="the tail walk starts this many tokens into each answer")
-    parser.add_argument("--ngram", type=int, default=8, help="n of the repeated-n-gram count")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    params = load_params(args.params)
-    target = load_target(params.target)
-    draft = load_draft(draft_dir(params.paths), target)
+    p = parser(__doc__, threads=2, prompts=48, new_tokens=256)  # --prompts: first-turn prompts per split
+    p.add_argument("--horizons", default="64,128,160,256")
+    p.add_argument("--split", type=int, default=128, help="the tail walk starts this many tokens into each answer")
+    p.add_argument("--ngram", type=int, default=8, help="n of the repeated-n-gram count")
+    args = p.parse_args()
+    params = setup(args)
+    target = load_target(params)
+    draft = load_draft(params, target)
     K, layer_ids = int(draft.config.block_size) - 1, list(draft.config.target_layer_ids)
     heads = [True, False] if draft.config.use_domino_head else [False]
     horizons = [int(h) for h in args.horizons.split(",")]

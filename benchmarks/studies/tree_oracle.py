@@ -17,7 +17,7 @@ target's own answers, before any engine work:
   (1 + N rows). Greedy verification accepts the longest path of the tree that the target's answer
   follows, so n = the depth of the answer's path in the tree.
 
-    python benchmarks/tree_oracle.py --draft DIR [--params params.yaml] [--prompts 16] [--new-tokens 128] \
+    python benchmarks/studies/tree_oracle.py --draft DIR [--params params.yaml] [--prompts 16] [--new-tokens 128] \
         [--rows 8,15,29,57] [--children 2,4,8]
 
 Prints walk τ by policy and verify rows, per suite, as a markdown table. A model of the engine
@@ -26,12 +26,13 @@ Prints walk τ by policy and verify rows, per suite, as a markdown table. A mode
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
 
 import torch
 import torch.nn.functional as F
+
+from dominospec.bench import load_draft, load_target, parser, reply_blocks, setup, suites
 
 
 class Anchor:
@@ -110,43 +111,27 @@ def walk(answers: list, accepted, K: int) -> float:
 
 
 def main() -> None:
-    from dominospec.cache.features import target_hidden
-    from dominospec.config import load_params
-    from dominospec.engine import SpecEngine, load_draft
-    from dominospec.eval.prompts import load_suite
-    from dominospec.target import load_target
-    from dominospec.train.objective import make_blocks
+    from dominospec.engine import SpecEngine
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--draft", required=True, help="a trained draft (HF layout), e.g. the H200 preset's")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rows", default="8,15,29,57", help="verify rows: 1 + W·K of the first-token trees")
-    parser.add_argument("--children", default="2,4,8", help="best-first: children offered per expansion (each tried)")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    params = load_params(args.params)
-    target = load_target(params.target)
-    draft = load_draft(args.draft, target).float()
-    config, K = draft.config, int(draft.config.block_size) - 1
+    p = parser(__doc__, threads=2, prompts=16, new_tokens=128)
+    p.add_argument("--draft", required=True, help="a trained draft (HF layout), e.g. the H200 preset's")
+    p.add_argument("--rows", default="8,15,29,57", help="verify rows: 1 + W·K of the first-token trees")
+    p.add_argument("--children", default="2,4,8", help="best-first: children offered per expansion (each tried)")
+    args = p.parse_args()
+    params = setup(args)
+    target = load_target(params)
+    draft = load_draft(params, target, args.draft).float()
+    K = int(draft.config.block_size) - 1
     embed, lm_head = target.embed_tokens, target.lm_head
     ar = SpecEngine(target, None, "ar")
     rows = [int(r) for r in args.rows.split(",")]
     print("| suite | verify rows | policy | walk τ |\n|---|---|---|---|", flush=True)
-    for spec in params.evaluate.suites:
-        suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts,
-                           params.evaluate.max_prompt_tokens)
+    for suite in suites(params, target.tokenizer, args.prompts):
         answers = []
         for prompt in suite.prompts:
             answer = ar.generate(prompt, args.new_tokens).token_ids
             ids = torch.tensor(list(prompt) + answer)
-            mask = torch.zeros(ids.numel(), dtype=torch.bool)
-            mask[len(prompt):] = True
-            feats = target_hidden(target.model, ids[None], torch.ones_like(ids)[None], list(config.target_layer_ids))
-            anchors = torch.arange(len(prompt), ids.numel() - 1)
-            blocks = make_blocks(ids[None], mask[None], 0, config.block_size, config.mask_token_id, anchors=[anchors])
+            feats, _, blocks = reply_blocks(draft, target, prompt, answer)
             with torch.no_grad():
                 N, Bk = blocks.block_ids.shape[1:]
                 z = draft(embed(blocks.block_ids.view(1, N * Bk)), blocks.positions.view(1, N * Bk),

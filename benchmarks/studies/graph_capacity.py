@@ -7,44 +7,37 @@ own `ar` mode on static caches with CUDA graphs, pinned to one capacity at a tim
 `engine.spec.MIN_BUCKET` set to it), for each dtype: the AR step in ms (verify time ÷ rounds, the
 fastest of the prompts, after a capture run).
 
-    python benchmarks/graph_capacity.py --gguf-dir DIR --prompts prompt_ids.jsonl \
+    python benchmarks/studies/graph_capacity.py --gguf-dir DIR --prompts prompt_ids.jsonl \
         [--capacities 256,1024,2048,4096] [--dtypes float32,bfloat16] [--new-tokens 128]
 
---prompts: JSONL of {"prompt_ids": [...]} (the format of benchmarks/gpu_engine.py); the first
+--prompts: JSONL of {"prompt_ids": [...]} (the format of benchmarks/export_prompts.py); the first
 --max-prompts are used. Prints one line per (dtype, capacity). Needs CUDA for the graphs (on CPU
 the static runners run eagerly and the numbers say nothing about graphs).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-from pathlib import Path
 
-from dominospec.config import load_params
+from dominospec.bench import load_target, parser, read_prompts, setup
 from dominospec.engine import SpecEngine
 from dominospec.engine import spec as spec_module
 from dominospec.engine.configure import engine_options
-from dominospec.target import load_target
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", default="params.yaml")
+    p = parser(__doc__, new_tokens=128)
     p.add_argument("--gguf-dir", required=True, help="folder holding the target's GGUF (target.gguf_file)")
     p.add_argument("--prompts", required=True, help="JSONL of {prompt_ids}")
     p.add_argument("--max-prompts", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--capacities", default="256,1024,2048,4096")
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()
 
-    params = load_params(args.params)
-    lines = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [json.loads(line)["prompt_ids"] for line in lines][: args.max_prompts]
+    params = setup(args)
+    prompts = [ids for by_suite in read_prompts(args.prompts).values() for ids in by_suite][: args.max_prompts]
     for dtype in args.dtypes.split(","):
-        target = load_target(dataclasses.replace(params.target, model=args.gguf_dir, dtype=dtype, device="auto"))
+        target = load_target(params, args.gguf_dir, dtype)
         # a CUDA target: its linears stay torch's (packing is for CPU weights)
         for capacity in map(int, args.capacities.split(",")):
             spec_module.MIN_BUCKET = capacity  # one bucket: every generation runs on `capacity` rows

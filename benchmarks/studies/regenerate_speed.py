@@ -4,7 +4,7 @@ One process, one target; the same conversations (the first N of the prepared tra
 by first-prompt length as the stage sorts them) go through every configuration, and the rounds
 interleave the configurations, so all see the same machine load.
 
-    python benchmarks/regenerate_speed.py --params params.yaml [--conversations 64] \
+    python benchmarks/studies/regenerate_speed.py --params params.yaml [--conversations 64] \
         [--max-new-tokens 256] [--configs bfloat16:64:packed:16,bfloat16:64:torch:all] [--hf-generate 8] \
         [--rounds 1] [--threads 2]
 
@@ -20,7 +20,6 @@ markdown table of the median tokens/s per configuration.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -29,30 +28,28 @@ import time
 
 import torch
 
+from dominospec.bench import load_target, parser, setup
+
 
 def main() -> None:
-    from dominospec.config import load_params
     from dominospec.data.dataset import read_dataset
     from dominospec.data import kv_batch
     from dominospec.data.regenerate import first_turns, length_sorted_chunks
     from dominospec.engine.packed import pack_linears
     from dominospec.data.replies import rewrite_conversations
-    from dominospec.target import DTYPES, load_target
+    from dominospec.target import DTYPES
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--configs", default="float32:8,bfloat16:8,bfloat16:32", help="dtype:batch_size, comma-separated")
-    parser.add_argument("--hf-generate", type=int, default=0, help="batch size of the HF generate baseline (0: none)")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    p = parser(__doc__, threads=2)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--configs", default="float32:8,bfloat16:8,bfloat16:32", help="dtype:batch_size, comma-separated")
+    p.add_argument("--hf-generate", type=int, default=0, help="batch size of the HF generate baseline (0: none)")
+    p.add_argument("--rounds", type=int, default=1)
+    args = p.parse_args()
 
-    params = load_params(args.params)
+    params = setup(args)
     splits, meta = read_dataset(params.paths.prepared)
-    target = load_target(params.target)
+    target = load_target(params)
     train, max_length = splits["train"], int(meta["max_length"])
     count = min(args.conversations, len(train))
     configs = []
