@@ -182,7 +182,7 @@ class EngineParams:
     tree_nodes: int  # mode dominotree: the best-first tree's node budget N (a verify of at most N + 1 rows)
     tree_children: int  # mode dominotree: children offered per expansion (the path's top-k corrected draft tokens)
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
-    cuda_graphs: Literal["auto", "on", "off"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA
+    cuda_graphs: Literal["auto", "on", "off", "static"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA; static = the caches, forwards eager
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
     lean_target: Literal["auto", "on", "off"]  # with static caches: the target on the lean decoder (fused Triton ops, its own KV cache); auto = on CUDA where it fits
 

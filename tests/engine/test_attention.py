@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 import dominospec.engine.attention as attention
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.attention import NAME, grouped_sdpa, use_grouped_sdpa
 from dominospec.engine.fork import branch_tree
 from dominospec.engine.target_kv import DynamicTargetKV
@@ -114,8 +114,8 @@ def test_greedy_trees_equal_ar_on_grouped_attention():
     target = tiny_target("qwen3", vocab=8, dtype=torch.float32, scale=0.2)
     use_grouped_sdpa(target.model)
     draft = tiny_draft(target, block_size=4, seed=4)
-    ar = SpecEngine(target, None, "ar")
-    spec = SpecEngine(target, draft, "domino", 3, EngineOptions(tree_width=3, ngram_assist=True, ngram_fork=True))
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    spec = SpecEngine(target, draft, "domino", 3, engine_params(tree_width=3, ngram_assist=True, ngram_fork=True))
     side_wins = 0
     for prompt in random_prompts(10, 8, seed=5):
         out = spec.generate(prompt, 24)

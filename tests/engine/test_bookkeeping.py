@@ -11,13 +11,13 @@ Run: python -m pytest tests/engine/test_bookkeeping.py -q
 
 import pytest
 import torch
-from engine_helpers import EOS, random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, EOS, random_prompts, tiny_draft, tiny_target
 
 import dominospec.engine.draft_block as draft_block_module
 import dominospec.engine.spec as spec_module
 import dominospec.engine.target_kv as target_kv_module
 from dominospec.errors import UserError
-from dominospec.engine import EngineOptions, Sampling, SpecEngine
+from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache
 
@@ -55,7 +55,7 @@ def static_caches(engine: SpecEngine, rows: int) -> tuple:
 @pytest.mark.parametrize("mode", ["dflash", "domino"])
 def test_caches_hold_exactly_the_committed_prefix(target, draft, monkeypatch, mode, static):
     seen = record_caches(monkeypatch)
-    engine = SpecEngine(target, draft, mode, None, EngineOptions(static_cache=static, graph_capacity=64))
+    engine = SpecEngine(target, draft, mode, None, engine_params(cuda_graphs="static" if static else "off", graph_capacity=64))
     checked = 0
     for prompt in random_prompts(6, 8, seed=11):
         out = engine.generate(prompt, 20)
@@ -87,13 +87,13 @@ def test_caches_hold_exactly_the_committed_prefix(target, draft, monkeypatch, mo
 
 
 def test_ar_cache_holds_prompt_plus_new_minus_one(target):
-    out = SpecEngine(target, None, "ar").generate([3, 4, 5], 9)
+    out = SpecEngine(target, None, "ar", params=engine_params()).generate([3, 4, 5], 9)
     assert out.stats.target_kv_length == 3 + len(out.token_ids) - 1
     assert out.stats.rounds == len(out.token_ids) - 1 and out.stats.acceptance_length == 1.0
 
 
 def test_max_new_tokens_is_never_exceeded_even_mid_block(target, draft):
-    ar, spec = SpecEngine(target, None, "ar"), SpecEngine(target, draft, "domino")
+    ar, spec = SpecEngine(target, None, "ar", params=engine_params()), SpecEngine(target, draft, "domino", params=engine_params())
     spec.stop_ids = ar.stop_ids = frozenset()  # only the budget ends these generations
     # A prompt with rounds committing 3+ tokens, so some budgets end inside a block.
     prompt = next(p for p in random_prompts(30, 8, seed=3) if max(spec.generate(p, 30).stats.accepted_lengths) >= 3)
@@ -105,7 +105,7 @@ def test_max_new_tokens_is_never_exceeded_even_mid_block(target, draft):
 
 
 def test_stop_token_ends_like_ar(target, draft):
-    ar, spec = SpecEngine(target, None, "ar"), SpecEngine(target, draft, "domino")
+    ar, spec = SpecEngine(target, None, "ar", params=engine_params()), SpecEngine(target, draft, "domino", params=engine_params())
     stopped = 0
     for prompt in random_prompts(20, 8, seed=5):
         expected, out = ar.generate(prompt, 40), spec.generate(prompt, 40)
@@ -118,7 +118,7 @@ def test_stop_token_ends_like_ar(target, draft):
 
 
 def test_stop_string_cuts_the_text_before_it(target, draft):
-    ar, spec = SpecEngine(target, None, "ar"), SpecEngine(target, draft, "domino")
+    ar, spec = SpecEngine(target, None, "ar", params=engine_params()), SpecEngine(target, draft, "domino", params=engine_params())
     spec.stop_ids = ar.stop_ids = frozenset()
     prompt = [4, 4, 7]
     free = ar.generate(prompt, 30).text
@@ -132,8 +132,8 @@ def test_stop_string_cuts_the_text_before_it(target, draft):
 
 def test_context_length_limits_generation_and_rejects_long_prompts(draft):
     small = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2, max_positions=24)
-    spec = SpecEngine(small, tiny_draft(small, block_size=8, seed=8), "domino")
-    ar = SpecEngine(small, None, "ar")
+    spec = SpecEngine(small, tiny_draft(small, block_size=8, seed=8), "domino", params=engine_params())
+    ar = SpecEngine(small, None, "ar", params=engine_params())
     spec.stop_ids = ar.stop_ids = frozenset()
     prompt = random_prompts(1, 8, seed=2, min_len=20, max_len=20)[0]
     out = spec.generate(prompt, 50)
@@ -148,7 +148,7 @@ def test_context_length_limits_generation_and_rejects_long_prompts(draft):
 
 
 def test_sampling_is_reproducible_by_seed(target, draft):
-    spec = SpecEngine(target, draft, "domino")
+    spec = SpecEngine(target, draft, "domino", params=engine_params())
     spec.stop_ids = frozenset()
     sampling = Sampling(temperature=1.0)
     a, b = spec.generate([3, 4], 16, sampling, seed=7), spec.generate([3, 4], 16, sampling, seed=7)
@@ -157,7 +157,7 @@ def test_sampling_is_reproducible_by_seed(target, draft):
 
 
 def test_round_statistics_are_consistent(target, draft):
-    out = SpecEngine(target, draft, "domino").generate([3, 5, 7], 25)
+    out = SpecEngine(target, draft, "domino", params=engine_params()).generate([3, 5, 7], 25)
     s = out.stats
     assert s.new_tokens == len(out.token_ids) == s.round_tokens + 1
     assert s.rounds == len(s.accepted_lengths) and s.acceptance_length == s.round_tokens / s.rounds
@@ -186,7 +186,7 @@ def test_first_round_drafts_follow_the_block_layout(target, draft, monkeypatch, 
     """Slot j of the block [x_T, MASK x (B-1)] sits at position T+j and sees the prompt's features
     at positions 0..T-1 (computed here without the engine's cache); a shifted layout is silent in
     the lossless tests (it only lowers τ), so the base logits and proposals are checked directly."""
-    engine = SpecEngine(target, draft, mode)
+    engine = SpecEngine(target, draft, mode, params=engine_params())
     base_seen, proposals = [], []
     engine.draft_lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
     accept = spec_module.accept_greedy
@@ -224,7 +224,7 @@ def test_end_of_turn_token_of_the_chat_template_stops_generation():
     assert end_of_turn_id(tokenizer) == 7
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     target.tokenizer = tokenizer
-    engine = SpecEngine(target, None, "ar")
+    engine = SpecEngine(target, None, "ar", params=engine_params())
     assert engine.stop_ids == {EOS, 7}
     out = next(o for o in (engine.generate(p, 40) for p in random_prompts(20, 8, seed=9)) if 7 in o.token_ids)
     assert out.token_ids[-1] == 7 and out.finish_reason == "stop_token"

@@ -16,9 +16,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import engine_params, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.draft_head import DraftHead, candidate_pool
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
@@ -77,8 +77,8 @@ def test_each_branch_equals_its_reference(head, pool):
     assert side_changes > 0 if head else side_changes == 0
 
 
-TREE = EngineOptions(tree_width=3)
-TREE_FORK = EngineOptions(tree_width=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
+TREE = engine_params(tree_width=3)
+TREE_FORK = engine_params(tree_width=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
 
 
 @pytest.mark.parametrize("mode", ["domino", "dflash"])
@@ -88,9 +88,9 @@ TREE_FORK = EngineOptions(tree_width=3, ngram_assist=True, ngram_fork=True, ngra
 def test_greedy_tree_equals_ar(mode, num_draft, static, options):
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", params=engine_params())
     if static:
-        options = dataclasses.replace(options, static_cache=True, graph_capacity=128)
+        options = dataclasses.replace(options, cuda_graphs="static", graph_capacity=128)
     engine = SpecEngine(target, draft, mode, num_draft, options)
     assert engine.max_verify == 3 * 3 + (7 if options.ngram_fork else 0)
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
@@ -112,4 +112,4 @@ def test_sampling_never_branches_and_width_0_is_refused():
         drafted += out.stats.draft_rounds
     assert drafted > 0
     with pytest.raises(UserError, match="tree_width"):
-        SpecEngine(target, draft, "domino", None, EngineOptions(tree_width=0))
+        SpecEngine(target, draft, "domino", None, engine_params(tree_width=0))

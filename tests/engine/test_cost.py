@@ -1,16 +1,16 @@
 """engine.cost: a round cost measured once can be shared by the engines evaluate compares."""
 
 import torch
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.policy import RoundCost
 
 
 def _engines():
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    options = EngineOptions(ngram_assist=True, ngram_max=3, tree_width=2)
+    options = engine_params(ngram_assist=True, ngram_max=3, tree_width=2)
     return (SpecEngine(target, draft, "domino", "auto", options), SpecEngine(target, draft, "dflash", "auto", options),
             SpecEngine(target, None, "ngram", "auto", options))
 

@@ -23,12 +23,12 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_helpers import random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 from test_lossless_sampling import VOCAB, chi_square_p, exact_joint, marginals, sample_x2_x3
 from scipy.stats import chi2
 
 import dominospec.engine.tree_accept as tree_accept
-from dominospec.engine import EngineOptions, Sampling, SpecEngine
+from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.domino_tree import ancestors, grow_tree
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.draft_head import candidate_pool
@@ -130,9 +130,9 @@ def test_verify_rows_see_their_ancestors_and_the_lookup_chain():
     assert torch.equal(ancestors(torch.tensor([0, 0, 1]), 2), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool())
 
 
-TREE = EngineOptions(tree_nodes=9, tree_children=3)
-TREE_FORK = EngineOptions(tree_nodes=9, tree_children=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
-TREE_POOL = EngineOptions(tree_nodes=7, tree_children=2, candidate_pool=5, draft_dtype=torch.float32)
+TREE = engine_params(tree_nodes=9, tree_children=3)
+TREE_FORK = engine_params(tree_nodes=9, tree_children=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
+TREE_POOL = engine_params(tree_nodes=7, tree_children=2, candidate_pool=5, draft_dtype="float32")
 
 
 @pytest.mark.parametrize("num_draft", [None, "auto"])
@@ -141,10 +141,9 @@ TREE_POOL = EngineOptions(tree_nodes=7, tree_children=2, candidate_pool=5, draft
 def test_greedy_dominotree_equals_ar(num_draft, runner, options):
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", params=engine_params())
     if runner != "dynamic":
-        options = dataclasses.replace(options, static_cache=True, graph_capacity=128,
-                                      lean_target="on" if runner == "lean" else "off")
+        options = dataclasses.replace(options, cuda_graphs="static", graph_capacity=128, lean_target="on" if runner == "lean" else "off")
     engine = SpecEngine(target, draft, "dominotree", num_draft, options)
     assert engine.max_verify == options.tree_nodes + (7 if options.ngram_fork else 0)
     assert (engine.lean is not None) == (runner == "lean")
@@ -161,7 +160,7 @@ def test_dominotree_accepts_more_than_the_chain_on_the_same_draft():
     that chain's first node, and the draft's other guesses besides)."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    chain, tree = SpecEngine(target, draft, "domino"), SpecEngine(target, draft, "dominotree", None, TREE)
+    chain, tree = SpecEngine(target, draft, "domino", params=engine_params()), SpecEngine(target, draft, "dominotree", None, TREE)
     taus = []
     for engine in (chain, tree):
         outs = [engine.generate(p, 24).stats for p in random_prompts(12, 8, seed=2)]
@@ -170,9 +169,9 @@ def test_dominotree_accepts_more_than_the_chain_on_the_same_draft():
 
 
 SAMPLED = [
-    (Sampling(temperature=1.0), EngineOptions(tree_nodes=6, tree_children=3)),
-    (Sampling(temperature=0.7), EngineOptions(tree_nodes=4, tree_children=2, candidate_pool=3)),
-    (Sampling(temperature=1.5, top_p=0.9), EngineOptions(tree_nodes=6, tree_children=3, ngram_assist=True, ngram_max=2)),
+    (Sampling(temperature=1.0), engine_params(tree_nodes=6, tree_children=3)),
+    (Sampling(temperature=0.7), engine_params(tree_nodes=4, tree_children=2, candidate_pool=3)),
+    (Sampling(temperature=1.5, top_p=0.9), engine_params(tree_nodes=6, tree_children=3, ngram_assist=True, ngram_max=2)),
 ]
 SAMPLES, BROKEN_SAMPLES = 2000, 1000
 
@@ -283,13 +282,13 @@ def test_choose_nodes_against_brute_force():
 
 
 def test_bad_tree_settings_are_refused(target, draft):
-    for options, word in [(EngineOptions(tree_nodes=0), "tree_nodes"), (EngineOptions(tree_children=0), "tree_children")]:
+    for options, word in [(engine_params(tree_nodes=0), "tree_nodes"), (engine_params(tree_children=0), "tree_children")]:
         with pytest.raises(UserError, match=word):
             SpecEngine(target, draft, "dominotree", None, options)
     no_head = tiny_draft(target, block_size=4, head=False)
     with pytest.raises(UserError, match="dominotree.*Domino head"):
-        SpecEngine(target, no_head, "dominotree")
-    lean = EngineOptions(tree_nodes=70, static_cache=True, lean_target="on", graph_capacity=64)
+        SpecEngine(target, no_head, "dominotree", params=engine_params())
+    lean = engine_params(tree_nodes=70, cuda_graphs="static", lean_target="on", graph_capacity=64)
     with pytest.raises(UserError, match="71 rows"):
         SpecEngine(target, draft, "dominotree", None, lean)
 
@@ -298,7 +297,7 @@ def test_sampled_rounds_and_lookups_keep_the_caches_in_step():
     """Sampled dominotree with lookups replacing the draft on a hit: the caches hold prompt + answer - 1."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    engine = SpecEngine(target, draft, "dominotree", "auto", EngineOptions(tree_nodes=9, ngram_assist=True, ngram_max=3))
+    engine = SpecEngine(target, draft, "dominotree", "auto", engine_params(tree_nodes=9, ngram_assist=True, ngram_max=3))
     engine.cost = streaming_cost(engine.max_verify)
     lookups = 0
     for i, prompt in enumerate(repetitive_prompts(6, 8, seed=3)):

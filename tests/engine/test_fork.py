@@ -21,15 +21,15 @@ import random
 
 import pytest
 import torch
-from engine_helpers import repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import engine_params, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.fork import accept_branches, branch_tree, chain_tree
 from dominospec.engine.policy import RoundCost, choose_k, choose_tree
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
-FORK = EngineOptions(ngram_assist=True, ngram_fork=True, ngram_max=3)  # tree_width 1: chain + lookup
+FORK = engine_params(ngram_assist=True, ngram_fork=True, ngram_max=3)  # tree_width 1: chain + lookup
 CPU = torch.device("cpu")
 
 
@@ -146,8 +146,8 @@ def test_choose_tree_against_brute_force_and_choose_k():
 def test_greedy_fork_equals_ar(mode, num_draft, static):
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    ar = SpecEngine(target, None, "ar")
-    options = dataclasses.replace(FORK, static_cache=True, graph_capacity=96) if static else FORK
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    options = dataclasses.replace(FORK, cuda_graphs="static", graph_capacity=96) if static else FORK
     engine = SpecEngine(target, draft, mode, num_draft, options)
     assert engine.max_verify == 3 + 7
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing

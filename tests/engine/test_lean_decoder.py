@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.fork import branch_tree
 from dominospec.engine.lean_decoder import LeanDecoder, DecoderOps, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
@@ -23,7 +23,7 @@ from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.errors import UserError
 
-STATIC = EngineOptions(static_cache=True, graph_capacity=128)
+STATIC = engine_params(cuda_graphs="static", graph_capacity=128)
 LEAN = dataclasses.replace(STATIC, lean_target="on")
 
 
@@ -130,7 +130,7 @@ def test_lean_target_auto_off_and_refusals():
     target = tiny_target("llama", vocab=8, dtype=torch.float64, max_positions=128)
     draft = tiny_draft(target, block_size=6, seed=8)
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).lean is None  # CPU
-    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, static_cache=False)).lean is None
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).lean is None
     with pytest.raises(UserError, match="widest round verifies 71 rows"):
         SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=14))  # 14 x 5 + 1 rows
     with pytest.raises(UserError, match="lean_target must be on, off or auto"):

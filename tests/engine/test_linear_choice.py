@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
-from dominospec.engine.configure import engine_options, one_row_seconds, prepare_target
+from dominospec.engine.configure import one_row_seconds, prepare_target
 from dominospec.engine.packed import PackedLinear, pack_linears, unpack_linears
+from dominospec.errors import UserError
 
 ENGINE = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
 LINEARS = 4 * 7 + 1  # q k v o gate up down per layer + lm_head (tiny_target, 4 layers)
@@ -54,7 +55,8 @@ def test_auto_keeps_the_faster_kernels(packed_s, torch_s, chosen):
     cfg = dataclasses.replace(ENGINE, linear="auto")
     assert prepare_target(target, cfg, timer=clock(packed_s, torch_s)) == chosen
     assert packed_count(target.model) == (LINEARS if chosen == "packed" else 0)
-    assert engine_options(cfg, chosen).packed == (chosen == "packed")
+    draft = tiny_draft(target, block_size=4, seed=4)
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(cfg, linear=chosen)).packed == (chosen == "packed")
 
 
 def test_explicit_choices_and_what_cannot_be_packed():
@@ -72,20 +74,21 @@ def test_explicit_choices_and_what_cannot_be_packed():
     assert prepare_target(fp64, dataclasses.replace(ENGINE, linear="auto"), timer=never) == "torch"
 
 
-def test_auto_must_be_resolved_before_the_engine_options():
-    with pytest.raises(ValueError, match="prepare_target"):
-        engine_options(dataclasses.replace(ENGINE, linear="auto"))
+def test_auto_must_be_resolved_before_an_engine_is_built():
+    target = tiny_target("qwen3", vocab=96, dtype=torch.float32)
+    with pytest.raises(UserError, match="engine.linear: auto .*prepare_target"):
+        SpecEngine(target, None, "ar", None, dataclasses.replace(ENGINE, linear="auto"))
 
 
 def test_auto_with_the_real_timer_stays_lossless():
     """The real clock picks either kernel; whichever it is, AR and Domino give the plain target's tokens."""
     target = tiny_target("qwen3", vocab=96, dtype=torch.float32, scale=0.2)
     prompts = random_prompts(6, 96, seed=2)
-    reference = [SpecEngine(target, None, "ar").generate(p, 16).token_ids for p in prompts]
+    reference = [SpecEngine(target, None, "ar", params=engine_params()).generate(p, 16).token_ids for p in prompts]
     assert one_row_seconds(target) > 0
     cfg = dataclasses.replace(ENGINE, linear="auto")
     chosen = prepare_target(target, cfg)
-    options = engine_options(cfg, chosen)
+    options = dataclasses.replace(cfg, linear=chosen)
     draft = tiny_draft(target, block_size=4, seed=4)
     for engine in (SpecEngine(target, None, "ar", None, options), SpecEngine(target, draft, "domino", None, options)):
         assert [engine.generate(p, 16).token_ids for p in prompts] == reference

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import tiny_draft, tiny_target
+from engine_helpers import engine_params, tiny_draft, tiny_target
 
 from dominospec.errors import UserError
 from dominospec.config import Paths
@@ -31,8 +31,8 @@ def test_checkpoint_and_bf16_export_load_in_the_target_dtype(target, tmp_path):
         assert torch.equal(a, b), name
     assert not torch.equal(exported.fc.weight, loaded.fc.weight)  # the export really went through bf16
     prompt = [5, 9, 11, 3]
-    a = SpecEngine(target, loaded, "domino").generate(prompt, 12)
-    b = SpecEngine(target, exported, "domino").generate(prompt, 12)
+    a = SpecEngine(target, loaded, "domino", params=engine_params()).generate(prompt, 12)
+    b = SpecEngine(target, exported, "domino", params=engine_params()).generate(prompt, 12)
     assert a.token_ids == b.token_ids  # greedy spec == AR whatever the draft's precision
 
 
@@ -40,7 +40,7 @@ def test_draft_for_another_target_is_refused(target, tmp_path):
     other = tiny_target("qwen3", vocab=40, dtype=torch.float32, seed=9)  # same shapes, other weights
     foreign = tiny_draft(other, block_size=4)
     with pytest.raises(UserError, match="trained for target 'tiny-qwen3-9'.*not 'tiny-qwen3-0'"):
-        SpecEngine(target, foreign, "domino")
+        SpecEngine(target, foreign, "domino", params=engine_params())
     foreign.save_pretrained(tmp_path / "foreign")
     with pytest.raises(UserError, match="trained for target"):
         load_draft(tmp_path / "foreign", target)
@@ -59,18 +59,18 @@ def test_draft_for_another_target_is_refused(target, tmp_path):
 def test_shape_mismatches_are_named(target, overrides, message):
     draft = tiny_draft(target, block_size=4, **overrides)
     with pytest.raises(UserError, match=message):
-        SpecEngine(target, draft, "dflash")
+        SpecEngine(target, draft, "dflash", params=engine_params())
 
 
 def test_head_off_draft_cannot_run_domino_mode_and_ar_needs_no_draft(target):
     draft = tiny_draft(target, block_size=4, head=False)
-    SpecEngine(target, draft, "dflash")
+    SpecEngine(target, draft, "dflash", params=engine_params())
     with pytest.raises(UserError, match="use_domino_head is false"):
-        SpecEngine(target, draft, "domino")
+        SpecEngine(target, draft, "domino", params=engine_params())
     with pytest.raises(UserError, match="needs a draft"):
-        SpecEngine(target, None, "domino")
+        SpecEngine(target, None, "domino", params=engine_params())
     with pytest.raises(UserError, match="unknown decoding mode 'eagle'"):
-        SpecEngine(target, None, "eagle")
+        SpecEngine(target, None, "eagle", params=engine_params())
 
 
 def test_missing_or_foreign_directories_are_named(target, tmp_path):

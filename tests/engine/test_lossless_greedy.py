@@ -10,9 +10,9 @@ Run: python -m pytest tests/engine/test_lossless_greedy.py -q
 
 import pytest
 import torch
-from engine_helpers import random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine, pack_linears
+from dominospec.engine import SpecEngine, pack_linears
 
 
 CASES = [  # arch, vocab, dtype, block sizes
@@ -26,7 +26,7 @@ CASES = [  # arch, vocab, dtype, block sizes
 @pytest.mark.parametrize("arch, vocab, dtype, block_sizes", CASES)
 def test_greedy_spec_equals_ar(arch, vocab, dtype, block_sizes):
     target = tiny_target(arch, vocab=vocab, dtype=dtype, scale=0.2)
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", params=engine_params())
     prompts = random_prompts(12, vocab, seed=vocab)
     reference = [ar.generate(p, 24).token_ids for p in prompts]
     assert any(len(r) == 24 for r in reference), "every answer stopped early: the test would be weak"
@@ -34,7 +34,7 @@ def test_greedy_spec_equals_ar(arch, vocab, dtype, block_sizes):
     for block_size in block_sizes:
         draft = tiny_draft(target, block_size=block_size, seed=block_size)
         for mode in ("dflash", "domino"):
-            engine = SpecEngine(target, draft, mode)
+            engine = SpecEngine(target, draft, mode, params=engine_params())
             for prompt, expected in zip(prompts, reference):
                 out = engine.generate(prompt, 24)
                 assert out.token_ids == expected, (mode, block_size, prompt)
@@ -49,7 +49,7 @@ def test_domino_and_dflash_drafts_differ_but_both_are_lossless():
     """The head changes the proposals (else the comparison above would test one path twice)."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=8, seed=3)
-    dflash, domino = SpecEngine(target, draft, "dflash"), SpecEngine(target, draft, "domino")
+    dflash, domino = SpecEngine(target, draft, "dflash", params=engine_params()), SpecEngine(target, draft, "domino", params=engine_params())
     prompts = random_prompts(8, 8, seed=1)
     rounds_differ = 0
     for prompt in prompts:
@@ -60,9 +60,9 @@ def test_domino_and_dflash_drafts_differ_but_both_are_lossless():
 
 
 FAST = [  # the engine's speed knobs: none may change a greedy token
-    EngineOptions(draft_dtype=torch.bfloat16),
-    EngineOptions(draft_dtype=torch.bfloat16, packed=True, candidate_pool=3),
-    EngineOptions(candidate_pool=5, confidence_cut=0.2),
+    engine_params(draft_dtype="bfloat16"),
+    engine_params(draft_dtype="bfloat16", linear="packed", candidate_pool=3),
+    engine_params(candidate_pool=5, confidence_cut=0.2),
 ]
 
 
@@ -71,7 +71,7 @@ FAST = [  # the engine's speed knobs: none may change a greedy token
 @pytest.mark.parametrize("num_draft", [None, "auto"])
 def test_bf16_draft_pool_cut_and_auto_k_stay_lossless(arch, dtype, options, num_draft):
     target = tiny_target(arch, vocab=8, dtype=dtype, scale=0.2)
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", params=engine_params())
     prompts = random_prompts(10, 8, seed=5)
     reference = [ar.generate(p, 24).token_ids for p in prompts]
     draft = tiny_draft(target, block_size=8, seed=8)
@@ -90,8 +90,8 @@ def test_packed_target_matches_plain_target():
     """`linear: packed` (oneDNN, weights packed once) gives the AR and spec tokens of the plain fp32 target."""
     target = tiny_target("qwen3", vocab=96, dtype=torch.float32, scale=0.2)
     prompts = random_prompts(8, 96, seed=2)
-    reference = [SpecEngine(target, None, "ar").generate(p, 20).token_ids for p in prompts]
+    reference = [SpecEngine(target, None, "ar", params=engine_params()).generate(p, 20).token_ids for p in prompts]
     draft = tiny_draft(target, block_size=4, seed=4)
     assert pack_linears(target.model) == 4 * 7 + 1  # q k v o gate up down per layer + lm_head
-    for engine in (SpecEngine(target, None, "ar"), SpecEngine(target, draft, "domino", None, FAST[1])):
+    for engine in (SpecEngine(target, None, "ar", params=engine_params()), SpecEngine(target, draft, "domino", None, FAST[1])):
         assert [engine.generate(p, 20).token_ids for p in prompts] == reference

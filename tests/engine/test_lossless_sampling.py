@@ -12,11 +12,11 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_helpers import tiny_draft, tiny_target
+from engine_helpers import engine_params, tiny_draft, tiny_target
 from scipy.stats import chi2
 
 import dominospec.engine.spec as spec_module
-from dominospec.engine import EngineOptions, Sampling, SpecEngine
+from dominospec.engine import Sampling, SpecEngine
 
 VOCAB, PROMPT = 8, [3, 5, 4, 6]
 SAMPLES, BROKEN_SAMPLES = 2000, 1000  # broken rules miss by p < 1e-30 at 1500 samples
@@ -76,15 +76,15 @@ def marginals(joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pair.sum(1), pair
 
 
-BF16_POOL = EngineOptions(draft_dtype=torch.bfloat16, candidate_pool=3)  # bf16 draft path, 3 of 8 tokens scored
+BF16_POOL = engine_params(draft_dtype="bfloat16", candidate_pool=3)  # bf16 draft path, 3 of 8 tokens scored
 SAMPLINGS = [
-    ("domino", Sampling(temperature=1.0), EngineOptions()),
-    ("dflash", Sampling(temperature=2.0, top_k=6, top_p=0.8), EngineOptions()),  # a q warped unlike p fails (p < 1e-20)
+    ("domino", Sampling(temperature=1.0), engine_params()),
+    ("dflash", Sampling(temperature=2.0, top_k=6, top_p=0.8), engine_params()),  # a q warped unlike p fails (p < 1e-20)
     ("domino", Sampling(temperature=1.0), BF16_POOL),
     ("domino", Sampling(temperature=1.5, top_p=0.9), BF16_POOL),
-    ("ngram", Sampling(temperature=1.0), EngineOptions(ngram_max=2)),  # point-mass drafts from prompt lookup
-    ("domino", Sampling(temperature=1.0), EngineOptions(ngram_assist=True, ngram_max=2)),  # lookup hits, else the draft
-    ("domino", Sampling(temperature=1.0), EngineOptions(ngram_assist=True, ngram_fork=True, ngram_max=2)),  # a fork is greedy-only: one branch
+    ("ngram", Sampling(temperature=1.0), engine_params(ngram_max=2)),  # point-mass drafts from prompt lookup
+    ("domino", Sampling(temperature=1.0), engine_params(ngram_assist=True, ngram_max=2)),  # lookup hits, else the draft
+    ("domino", Sampling(temperature=1.0), engine_params(ngram_assist=True, ngram_fork=True, ngram_max=2)),  # a fork is greedy-only: one branch
 ]
 
 
@@ -123,7 +123,7 @@ def test_broken_acceptance_rules_fail_the_same_test(setup, monkeypatch, broken):
     sampling = Sampling(temperature=1.0)
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
     monkeypatch.setattr(spec_module, "accept_sampled", broken)
-    x2, pairs, _ = sample_x2_x3(SpecEngine(target, draft, "domino"), sampling, BROKEN_SAMPLES)
+    x2, pairs, _ = sample_x2_x3(SpecEngine(target, draft, "domino", params=engine_params()), sampling, BROKEN_SAMPLES)
     n = BROKEN_SAMPLES
     assert min(chi_square_p(x2, x2_exact, n), chi_square_p(pairs, pair_exact, n)) < 1e-6
 

@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from engine_helpers import random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
+from engine_helpers import engine_params, random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine.ngram import NgramIndex
 
 
@@ -51,8 +51,8 @@ def test_index_matches_brute_force(min_n, max_n):
 @pytest.mark.parametrize("num_draft", [None, 3, "auto"])
 def test_greedy_ngram_equals_ar(arch, vocab, dtype, num_draft):
     target = tiny_target(arch, vocab=vocab, dtype=dtype, scale=0.2)
-    ar = SpecEngine(target, None, "ar")
-    engine = SpecEngine(target, None, "ngram", num_draft, EngineOptions(ngram_max=3))
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    engine = SpecEngine(target, None, "ngram", num_draft, engine_params(ngram_max=3))
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     accepted = lookups = 0
     for prompt in repetitive_prompts(10, vocab, seed=vocab) + random_prompts(4, vocab, seed=1):
@@ -70,8 +70,8 @@ def test_greedy_ngram_equals_ar(arch, vocab, dtype, num_draft):
 def test_greedy_ngram_assist_equals_ar(mode, num_draft):
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    ar = SpecEngine(target, None, "ar")
-    engine = SpecEngine(target, draft, mode, num_draft, EngineOptions(ngram_assist=True, ngram_max=3))
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    engine = SpecEngine(target, draft, mode, num_draft, engine_params(ngram_assist=True, ngram_max=3))
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     stats = stats_equal_to_ar(engine, ar)
     lookups = sum(s.lookup_rounds for s in stats)
@@ -85,8 +85,8 @@ def test_assisting_lookups_run_past_the_block(num_draft):
     round emits more than B tokens. By position counts only the draft's chains."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    ar = SpecEngine(target, None, "ar")
-    engine = SpecEngine(target, draft, "domino", num_draft, EngineOptions(ngram_assist=True, ngram_max=3, ngram_num_draft=7))
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    engine = SpecEngine(target, draft, "domino", num_draft, engine_params(ngram_assist=True, ngram_max=3, ngram_num_draft=7))
     assert engine.num_draft == 3 and engine.lookup_k_max == 7 and engine.max_verify == 7
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     longest, chains, first_position = 0, 0, 0
@@ -105,7 +105,7 @@ def test_assist_keeps_separate_acceptance_for_lookups_and_chains():
     """auto-K: a lookup round teaches the lookup model (up to 7 positions), a chain the draft's (3)."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    engine = SpecEngine(target, draft, "domino", "auto", EngineOptions(ngram_assist=True, ngram_max=3))
+    engine = SpecEngine(target, draft, "domino", "auto", engine_params(ngram_assist=True, ngram_max=3))
     engine.calibrate(random_prompts(1, 8, seed=9)[0])
     assert len(engine.cost.verify) == 8  # verify of up to 7 lookup tokens is measured too
     out = engine.generate(repetitive_prompts(1, 8, seed=3)[0] * 2, 40)
@@ -122,7 +122,7 @@ def test_lookup_rounds_count_in_the_draft_round_time(mode):
     draft_round_ms = draft_round_s ÷ draft_rounds), and no more time is counted than the rounds took."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True) if mode == "domino" else None
-    options = EngineOptions(ngram_assist=mode == "domino", ngram_max=3)
+    options = engine_params(ngram_assist=mode == "domino", ngram_max=3)
     engine = SpecEngine(target, draft, mode, None, options)
     lookups = 0
     for prompt in repetitive_prompts(8, 8, seed=3):

@@ -74,11 +74,11 @@ def test_accepting_drafts_raise_k_to_the_maximum():
 
 def test_auto_k_sampled_answers_reproduce_by_seed(target, draft):
     """K follows only the generation's own rounds (and the cost measured once): a seed reproduces."""
-    from engine_helpers import random_prompts
+    from engine_helpers import engine_params, random_prompts
 
     from dominospec.engine import Sampling, SpecEngine
 
-    engine = SpecEngine(target, draft, "domino", "auto")
+    engine = SpecEngine(target, draft, "domino", "auto", params=engine_params())
     sampling = Sampling(temperature=1.0)
     for prompt in random_prompts(4, 8, seed=3):
         first = engine.generate(prompt, 20, sampling, seed=11)

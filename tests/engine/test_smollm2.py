@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_helpers import engine_params
+
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
 from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
@@ -47,7 +49,7 @@ def chat(target, text: str) -> list[int]:
 
 
 def test_smollm2_greedy_spec_equals_ar_and_stops_at_end_of_turn(smollm2):
-    ar = SpecEngine(smollm2, None, "ar")
+    ar = SpecEngine(smollm2, None, "ar", params=engine_params())
     assert 2 in ar.stop_ids  # <|im_end|>, the chat end-of-turn token
     france = chat(smollm2, "What is the capital of France?")
     answer = ar.generate(france, 20)
@@ -57,6 +59,6 @@ def test_smollm2_greedy_spec_equals_ar_and_stops_at_end_of_turn(smollm2):
     for prompt in prompts:
         expected = ar.generate(prompt, 12)
         for mode in ("dflash", "domino"):
-            out = SpecEngine(smollm2, draft, mode).generate(prompt, 12)
+            out = SpecEngine(smollm2, draft, mode, params=engine_params()).generate(prompt, 12)
             assert out.token_ids == expected.token_ids, mode
             assert out.stats.target_kv_length == out.stats.draft_context_length == len(prompt) + len(out.token_ids) - 1

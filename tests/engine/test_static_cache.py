@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import draft_runners_agree, streaming_cost, random_prompts, tiny_draft, tiny_target
+from engine_helpers import engine_params, draft_runners_agree, streaming_cost, random_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import EngineOptions, SpecEngine
+from dominospec.engine import SpecEngine
 from dominospec.engine import spec as spec_module
 from dominospec.engine.draft_block import StaticDraftBlock
 from dominospec.engine.graphs import ShapeGraphs
@@ -22,7 +22,7 @@ from dominospec.engine.sampling import Sampling
 from dominospec.engine.spec import static_buckets
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
-STATIC = EngineOptions(static_cache=True, graph_capacity=96)
+STATIC = engine_params(cuda_graphs="static", graph_capacity=96)
 
 
 @pytest.mark.parametrize("arch, dtype", [("llama", torch.float64), ("qwen3", torch.float64)])
@@ -72,7 +72,7 @@ def test_draft_runners_agree_through_extend_block_and_crop(target, draft):
 def test_static_engine_generates_what_the_dynamic_engine_does(target, draft, mode, num_draft):
     """Same tokens and the same rounds (so the same drafts were proposed), greedy, fp64."""
     use_draft = draft if mode in ("dflash", "domino") else None
-    dynamic = SpecEngine(target, use_draft, mode, num_draft)
+    dynamic = SpecEngine(target, use_draft, mode, num_draft, params=engine_params())
     static = SpecEngine(target, use_draft, mode, num_draft, STATIC)
     if num_draft == "auto":  # the same K choices need the same cost table, and one that is not this machine's timing
         static.cost = dynamic.cost = streaming_cost(dynamic.max_verify)
@@ -90,7 +90,7 @@ def test_static_engine_generates_what_the_dynamic_engine_does(target, draft, mod
 
 def test_static_engine_sampling_matches_dynamic_with_the_same_seed(target, draft):
     sampling = Sampling(temperature=0.8, top_p=0.95)
-    dynamic = SpecEngine(target, draft, "domino", 4, EngineOptions(ngram_assist=True))
+    dynamic = SpecEngine(target, draft, "domino", 4, engine_params(ngram_assist=True))
     static = SpecEngine(target, draft, "domino", 4, dataclasses.replace(STATIC, ngram_assist=True))
     for i, prompt in enumerate(random_prompts(6, 8, seed=5)):
         a = dynamic.generate(prompt, 32, sampling, seed=i)
@@ -100,7 +100,7 @@ def test_static_engine_sampling_matches_dynamic_with_the_same_seed(target, draft
 
 def test_a_generation_longer_than_the_static_caches_runs_on_the_dynamic_ones(target, draft):
     small = dataclasses.replace(STATIC, graph_capacity=24)
-    dynamic, static = SpecEngine(target, draft, "domino"), SpecEngine(target, draft, "domino", None, small)
+    dynamic, static = SpecEngine(target, draft, "domino", params=engine_params()), SpecEngine(target, draft, "domino", None, small)
     prompt = random_prompts(1, 8, seed=6, min_len=8, max_len=8)[0]
     long, short = static.generate(prompt, 40), static.generate(prompt, 4)
     assert not long.stats.static_cache and short.stats.static_cache
@@ -130,19 +130,19 @@ def test_params_switch_graphs_on_only_where_cuda_is(tmp_path):
     from pathlib import Path
 
     from dominospec.config import load_params
-    from dominospec.engine.configure import engine_options
+    from dominospec.engine.configure import static_caches
     from dominospec.errors import UserError
 
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.cuda_graphs == "auto" and cfg.graph_capacity >= 2048
-    options = engine_options(cfg, "torch")
-    assert options.static_cache == options.cuda_graphs == torch.cuda.is_available()
-    assert not engine_options(dataclasses.replace(cfg, cuda_graphs="off"), "torch").static_cache
+    assert static_caches(cfg) == (torch.cuda.is_available(),) * 2
+    assert static_caches(dataclasses.replace(cfg, cuda_graphs="off")) == (False, False)
+    assert static_caches(dataclasses.replace(cfg, cuda_graphs="static")) == (True, False)  # the caches, eager
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="engine.cuda_graphs: on needs a CUDA GPU"):
-            engine_options(dataclasses.replace(cfg, cuda_graphs="on"), "torch")
+            static_caches(dataclasses.replace(cfg, cuda_graphs="on"))
     with pytest.raises(UserError, match="engine.graph_capacity"):
-        engine_options(dataclasses.replace(cfg, graph_capacity=8), "torch")
+        static_caches(dataclasses.replace(cfg, graph_capacity=8))
 
 
 def test_static_buckets_double_up_to_the_capacity():
@@ -156,7 +156,7 @@ def test_a_generation_runs_on_the_smallest_bucket_that_holds_it(target, draft, m
     bucket built once and reused."""
     monkeypatch.setattr(spec_module, "MIN_BUCKET", 32)
     static = SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, graph_capacity=128, ngram_assist=True))
-    dynamic = SpecEngine(target, draft, "domino", None, EngineOptions(ngram_assist=True))
+    dynamic = SpecEngine(target, draft, "domino", None, engine_params(ngram_assist=True))
     prompt = random_prompts(1, 8, seed=7, min_len=8, max_len=8)[0]
     for new_tokens, bucket in ((8, 32), (40, 64), (100, 128), (8, 32)):
         out = static.generate(prompt, new_tokens)

@@ -9,7 +9,7 @@ Run: python -m pytest tests/engine/test_streaming.py -q
 """
 
 import pytest
-from engine_helpers import random_prompts
+from engine_helpers import engine_params, random_prompts
 
 from dominospec.engine import Sampling, SpecEngine
 
@@ -27,7 +27,7 @@ def streamed(engine: SpecEngine, prompt, max_new_tokens, **kwargs):
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "domino"])
 def test_chunks_concatenate_to_the_token_ids(target, draft, mode):
-    engine = SpecEngine(target, None if mode == "ar" else draft, mode)
+    engine = SpecEngine(target, None if mode == "ar" else draft, mode, params=engine_params())
     finishes = set()
     for prompt in random_prompts(8, 8, seed=11):
         plain = engine.generate(prompt, 30)
@@ -42,7 +42,7 @@ def test_chunks_concatenate_to_the_token_ids(target, draft, mode):
 
 
 def test_chunks_respect_budgets_stop_strings_and_sampling(target, draft):
-    engine = SpecEngine(target, draft, "domino")
+    engine = SpecEngine(target, draft, "domino", params=engine_params())
     engine.stop_ids = frozenset()
     prompt = [4, 4, 7]
     for budget in (1, 2, 5, 13):
@@ -59,7 +59,7 @@ def test_chunks_respect_budgets_stop_strings_and_sampling(target, draft):
 
 @pytest.mark.parametrize("mode", ["ar", "domino"])
 def test_returning_false_aborts(target, draft, mode):
-    engine = SpecEngine(target, None if mode == "ar" else draft, mode)
+    engine = SpecEngine(target, None if mode == "ar" else draft, mode, params=engine_params())
     engine.stop_ids = frozenset()
     prompt = [3, 5, 7]
     full = engine.generate(prompt, 40)
@@ -80,7 +80,7 @@ def test_returning_false_aborts(target, draft, mode):
 
 
 def test_false_on_the_last_step_keeps_the_natural_finish(target, draft):
-    engine = SpecEngine(target, draft, "domino")
+    engine = SpecEngine(target, draft, "domino", params=engine_params())
     engine.stop_ids = frozenset()
     out = engine.generate([3, 5, 7], 1, on_tokens=lambda ids: False)
     assert out.finish_reason == "length" and len(out.token_ids) == 1

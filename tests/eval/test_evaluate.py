@@ -183,7 +183,7 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
 
     def spy(suite, engines, *args, **kwargs):
         seen["precision"] = torch.get_float32_matmul_precision()
-        seen["options"] = {mode: engine.options for mode, engine in engines.items()}
+        seen["options"] = {mode: engine.params for mode, engine in engines.items()}
         return run_suite(suite, engines, *args, **kwargs)
 
     monkeypatch.setattr(stage, "run_suite", spy)

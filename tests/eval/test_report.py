@@ -13,7 +13,7 @@ from dominospec.engine import Generation, GenerationStats, SpecEngine
 from dominospec.eval.report import acceptance_by_position, first_divergence, speedup_standard_error, suite_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_helpers import tiny_target  # noqa: E402
+from engine_helpers import engine_params, tiny_target  # noqa: E402
 
 
 def generation(mode, tokens, accepted_lengths, seconds, accepted=(0, 0), proposed=(0, 0)):
@@ -33,7 +33,7 @@ def test_first_divergence():
 
 def test_suite_report_pools_tau_and_records_divergences_with_margin():
     target = tiny_target("llama", vocab=16, dtype=torch.float64)
-    ar_engine = SpecEngine(target, None, "ar")
+    ar_engine = SpecEngine(target, None, "ar", params=engine_params())
     prompts = [[3, 4, 5], [6, 7, 8]]
     runs = [
         {"ar": generation("ar", [5, 6, 7, 8, 9], [1, 1, 1, 1], 2.0),

@@ -4,16 +4,20 @@ and in the engine (identical greedy generations and per-round acceptance).
 Run: python -m pytest tests/export/test_roundtrip.py -q
 """
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from export_helpers import make_project
 
-from dominospec.config import load_params
-from dominospec.engine import SpecEngine, load_draft
-from dominospec.export.stage import export
-from dominospec.models.domino import DFlashDraftModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import engine_params  # noqa: E402
+
+from dominospec.config import load_params  # noqa: E402
+from dominospec.engine import SpecEngine, load_draft  # noqa: E402
+from dominospec.export.stage import export  # noqa: E402
+from dominospec.models.domino import DFlashDraftModel  # noqa: E402
 
 
 def rounded_checkpoint(path) -> DFlashDraftModel:
@@ -75,10 +79,10 @@ def test_engine_generates_identically_from_export_and_rounded_checkpoint(exporte
             p.copy_(p.bfloat16().float())
     for (name, a), b in zip(from_checkpoint.state_dict().items(), from_export.state_dict().values()):
         assert torch.equal(a, b), name
-    ar = SpecEngine(tiny_target, None, "ar")
+    ar = SpecEngine(tiny_target, None, "ar", params=engine_params())
     for prompt in PROMPTS:
-        a = SpecEngine(tiny_target, from_export, "domino").generate(prompt, 16)
-        b = SpecEngine(tiny_target, from_checkpoint, "domino").generate(prompt, 16)
+        a = SpecEngine(tiny_target, from_export, "domino", params=engine_params()).generate(prompt, 16)
+        b = SpecEngine(tiny_target, from_checkpoint, "domino", params=engine_params()).generate(prompt, 16)
         assert a.token_ids == b.token_ids == ar.generate(prompt, 16).token_ids
         assert a.stats.accepted_lengths == b.stats.accepted_lengths
         assert a.stats.position_accepted == b.stats.position_accepted
@@ -114,6 +118,6 @@ def test_head_off_draft_exports_as_plain_dflash_and_serves_in_the_engine(exporte
     backbone = {k: v for k, v in reference.state_dict().items() if not k.startswith(("prefix_gru", "embed_proj"))}
     loaded = draft.state_dict()
     assert all(torch.equal(v, loaded[k]) for k, v in backbone.items())
-    ar = SpecEngine(tiny_target, None, "ar")
+    ar = SpecEngine(tiny_target, None, "ar", params=engine_params())
     for prompt in PROMPTS[:2]:
-        assert SpecEngine(tiny_target, draft, "dflash").generate(prompt, 12).token_ids == ar.generate(prompt, 12).token_ids
+        assert SpecEngine(tiny_target, draft, "dflash", params=engine_params()).generate(prompt, 12).token_ids == ar.generate(prompt, 12).token_ids

@@ -17,11 +17,11 @@ import torch
 from kernel_helpers import DEVICE  # noqa: F401  (skips the module when triton is absent)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_helpers import random_prompts, tiny_draft, tiny_target  # noqa: E402
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402
-from dominospec.engine import EngineOptions, SpecEngine  # noqa: E402
-from dominospec.engine.configure import engine_options  # noqa: E402
+from dominospec.engine import SpecEngine  # noqa: E402
+from dominospec.engine.configure import head_kernel  # noqa: E402
 from dominospec.engine.head_kernels import prepare_head_kernels  # noqa: E402
 from dominospec.engine.draft_head import DraftHead  # noqa: E402
 from dominospec.engine.sampling import Sampling  # noqa: E402
@@ -65,8 +65,8 @@ def test_greedy_chain_equals_torch(setup, pool_size):
 @cpu_engine
 def test_engine_with_triton_head_equals_torch_head(setup):
     target, draft, _ = setup
-    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(candidate_pool=0))
-    triton_engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="triton"))
+    torch_engine = SpecEngine(target, draft, "domino", params=engine_params(candidate_pool=0))
+    triton_engine = SpecEngine(target, draft, "domino", params=engine_params(head_kernel="triton"))
     assert torch_engine.head.kernels is None and triton_engine.head.kernels is not None
     for prompt in random_prompts(2, V, seed=5):
         a, b = torch_engine.generate(prompt, 12), triton_engine.generate(prompt, 12)
@@ -81,11 +81,11 @@ def test_static_engine_runs_the_rollout_through_its_graph_buffers(setup, pool_si
     inputs, one function per K (CUDA graphs on a GPU, the same function eagerly here): the same tokens
     and rounds as the torch head on the dynamic caches, and one function per K that was drafted."""
     target, draft, _ = setup
-    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(candidate_pool=pool_size))
+    torch_engine = SpecEngine(target, draft, "domino", params=engine_params(candidate_pool=pool_size))
     static = SpecEngine(target, draft, "domino", num_draft="auto",
-                        options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
+                        params=engine_params(head_kernel="triton", candidate_pool=pool_size, cuda_graphs="static"))
     fixed = SpecEngine(target, draft, "domino",
-                       options=EngineOptions(head_kernel="triton", candidate_pool=pool_size, static_cache=True))
+                       params=engine_params(head_kernel="triton", candidate_pool=pool_size, cuda_graphs="static"))
     assert static.head.graphs is not None and torch_engine.head.graphs is None
     for prompt in random_prompts(2, V, seed=5):
         a, b = torch_engine.generate(prompt, 12), fixed.generate(prompt, 12)
@@ -102,11 +102,11 @@ def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.head_kernel == "auto"
     triton_cfg = dataclasses.replace(cfg, head_kernel="triton")
-    assert engine_options(triton_cfg, "torch").head_kernel == "triton"  # interpreter (or CUDA) here
+    assert head_kernel(triton_cfg.head_kernel) == "triton"  # interpreter (or CUDA) here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="engine.head_kernel"):
-        engine_options(triton_cfg, "torch")
+        head_kernel(triton_cfg.head_kernel)
 
 
 @cpu_engine
@@ -114,10 +114,9 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     """`auto` = Triton only where it runs compiled (a CUDA draft); here, even with the interpreter on,
     it must be the torch path (the interpreter is for tests, not for speed)."""
     target, draft, _ = setup
-    engine = SpecEngine(target, draft, "domino", options=EngineOptions(head_kernel="auto"))
+    engine = SpecEngine(target, draft, "domino", params=engine_params(head_kernel="auto"))
     assert engine.head.kernels is None
-    assert engine_options(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine,
-                          "torch").head_kernel == "auto"
+    assert head_kernel(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine.head_kernel) == "auto"
 
 
 @cpu_engine
@@ -143,9 +142,9 @@ def test_static_engine_runs_the_tree_through_its_graph_buffers(setup, pool_size)
     per (K, W); CUDA graphs on a GPU), with the same tokens and rounds as the torch head's tree."""
     target, draft, _ = setup
     options = dict(candidate_pool=pool_size, tree_width=3)
-    torch_engine = SpecEngine(target, draft, "domino", options=EngineOptions(**options))
+    torch_engine = SpecEngine(target, draft, "domino", params=engine_params(**options))
     static = SpecEngine(target, draft, "domino",
-                        options=EngineOptions(head_kernel="triton", static_cache=True, **options))
+                        params=engine_params(head_kernel="triton", cuda_graphs="static", **options))
     for prompt in random_prompts(2, V, seed=5):
         a, b = torch_engine.generate(prompt, 12), static.generate(prompt, 12)
         assert b.token_ids == a.token_ids

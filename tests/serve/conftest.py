@@ -28,11 +28,15 @@ def target(server):
 
 
 @pytest.fixture(scope="session")
-def reference(target):
+def reference(server, target):
     """(prompt ids, max_new_tokens) -> the target's own greedy Generation (AR, in-process)."""
+    import dataclasses
+
+    from dominospec.config import load_params
     from dominospec.engine import SpecEngine
 
-    engine = SpecEngine(target, None, "ar")
+    params = dataclasses.replace(load_params(server.params).engine, linear="torch")
+    engine = SpecEngine(target, None, "ar", params=params)
     return lambda ids, n: engine.generate(ids, n)
 
 

@@ -7,6 +7,8 @@ Run: python -m pytest tests/serve/test_dominotree_serve.py -q
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from serve_helpers import CHATS, KEY_ENV, authorised_client, running_server
 
@@ -33,7 +35,7 @@ def test_greedy_chat_is_lossless_and_server_info_names_the_tree(server):
     from dominospec.target import load_target
 
     target = load_target(load_params(server.params).target)
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", params=dataclasses.replace(load_params(server.params).engine, linear="torch"))
     with authorised_client(server) as client:
         info = client.get("/server_info").json()
         assert info["mode"] == "dominotree" and info["speculative_algorithm"] == "DOMINOTREE"

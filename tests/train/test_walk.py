@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_helpers import random_prompts, tiny_draft, tiny_target  # noqa: E402
+from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target  # noqa: E402
 
 from dominospec.cache.features import target_hidden  # noqa: E402
 from dominospec.engine import SpecEngine  # noqa: E402
@@ -47,7 +47,7 @@ def _sequence(target, prompt: list[int], reply: list[int]):
 
 def _fitted_draft(target, prompts, head: bool):
     """A tiny draft fitted for a few steps to the target's greedy replies, so that it is often right."""
-    replies = [SpecEngine(target, None, "ar").generate(p, 30).token_ids for p in prompts]
+    replies = [SpecEngine(target, None, "ar", params=engine_params()).generate(p, 30).token_ids for p in prompts]
     seqs = [_sequence(target, p, r) for p, r in zip(prompts, replies)]
     draft = tiny_draft(target, block_size=5, head=head, scale=0.1,
                        dflash_config=dict(mask_token_id=23, target_layer_ids=LAYER_IDS, gru_hidden_dim=16, emb_dim=8))
@@ -72,7 +72,7 @@ def _engine_and_walk(head: bool, horizon=None):
     target = tiny_target(vocab=24, dtype=torch.float64, scale=0.5)
     prompts = random_prompts(6, 24, seed=3, min_len=3, max_len=8)
     draft = _fitted_draft(target, prompts, head)
-    engine = SpecEngine(target, draft, "domino" if head else "dflash")
+    engine = SpecEngine(target, draft, "domino" if head else "dflash", params=engine_params())
     engine_total, walk_total = WalkStats(position_accepted=[0] * 4, position_proposed=[0] * 4), WalkStats()
     for prompt in prompts:
         out = engine.generate(prompt, horizon or 30)

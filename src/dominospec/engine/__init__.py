@@ -3,12 +3,11 @@
 from dominospec.engine.loading import check_draft_matches, draft_dir, load_draft
 from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
 from dominospec.engine.packed import pack_linears
-from dominospec.engine.spec import MODES, EngineOptions, SpecEngine
+from dominospec.engine.spec import MODES, SpecEngine
 from dominospec.engine.stats import Generation, GenerationStats
 
 __all__ = [
     "MODES",
-    "EngineOptions",
     "Generation",
     "GenerationStats",
     "Sampling",

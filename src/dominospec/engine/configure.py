@@ -1,4 +1,4 @@
-"""params -> the engine's options and sampling, and the target prepared once for every engine built on it."""
+"""params -> what the engine resolves from its params here (caches, kernels), sampling, and the target prepared once for every engine built on it."""
 
 from __future__ import annotations
 
@@ -12,45 +12,22 @@ from dominospec.config import EngineParams, EvaluateParams
 from dominospec.engine.attention import use_grouped_sdpa
 from dominospec.engine.packed import pack_linears, unpack_linears
 from dominospec.engine.sampling import Sampling
-from dominospec.engine.spec import EngineOptions
 from dominospec.errors import UserError
-from dominospec.target import DTYPES, Target
+from dominospec.target import Target
 
 
-def engine_options(cfg: EngineParams, linear: Optional[str] = None) -> EngineOptions:
-    """params.engine -> EngineOptions. `linear` is what `prepare_target` chose for the target
-    ("packed" | "torch"; default: `engine.linear` as written): the draft path takes the same."""
-    graphs = cuda_graphs(cfg)
-    linear = linear or cfg.linear
-    if linear == "auto":
-        raise ValueError("engine.linear: auto is resolved by prepare_target(); pass its choice to engine_options()")
-    return EngineOptions(
-        draft_dtype=DTYPES[cfg.draft_dtype] if cfg.draft_dtype else None,
-        packed=linear == "packed",
-        candidate_pool=cfg.candidate_pool,
-        confidence_cut=cfg.confidence_cut,
-        ngram_min=cfg.ngram_min,
-        ngram_max=cfg.ngram_max,
-        ngram_num_draft=cfg.ngram_num_draft,
-        ngram_assist=cfg.ngram_assist,
-        ngram_fork=cfg.ngram_fork,
-        tree_width=cfg.tree_width,
-        acceptance_window=cfg.acceptance_window,
-        head_kernel=head_kernel(cfg.head_kernel),
-        static_cache=graphs,
-        cuda_graphs=graphs,
-        graph_capacity=cfg.graph_capacity,
-        lean_target=cfg.lean_target,
-    )
-
-
-def cuda_graphs(cfg: EngineParams) -> bool:
-    """engine.cuda_graphs -> whether the engine runs its forwards as CUDA graphs on static caches here."""
+def static_caches(cfg: EngineParams) -> tuple[bool, bool]:
+    """engine.cuda_graphs -> (static caches, CUDA graphs replayed on them) on this machine: `on` both
+    (CUDA only), `auto` both where CUDA is, `static` the caches with eager forwards (any device),
+    `off` neither."""
     if cfg.graph_capacity < 16:
         raise UserError(f"engine.graph_capacity must be >= 16 rows, got {cfg.graph_capacity}")
     if cfg.cuda_graphs == "on" and not torch.cuda.is_available():
         raise UserError("engine.cuda_graphs: on needs a CUDA GPU; set engine.cuda_graphs: auto or off on this machine")
-    return cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
+    if cfg.cuda_graphs == "static":
+        return True, False
+    graphs = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
+    return graphs, graphs
 
 
 def head_kernel(choice: str) -> str:
@@ -70,7 +47,7 @@ def head_kernel(choice: str) -> str:
 def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[], float]] = None) -> str:
     """Give the target's linears the kernels `engine.linear` asks for, in place, before any engine
     is built (so the AR baseline and the verify forward run the same ones) -> the choice made,
-    "packed" or "torch", for `engine_options`.
+    "packed" or "torch", the `engine.linear` the engines take (`dataclasses.replace(cfg, linear=...)`).
 
     `auto` times a one-row forward of the target both ways (fastest of a few, `timer()` returning
     its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins

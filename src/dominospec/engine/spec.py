@@ -35,7 +35,7 @@ the same rows (invariant checked).
      verified beside the chain in step 3, as a second branch.
   1. draft forward over `[x_start, MASK x (B-1)]` at positions start..start+B-1, the pending
      features appended first -> z [B, H]; base logits u = lm_head(z[:K]) [K, V], all in the draft
-     path's dtype (`EngineOptions.draft_dtype`: only verification must be exact).
+     path's dtype (`engine.draft_dtype`: only verification must be exact).
   2. propose (engine.draft_head: the model's rollout, or its kernels): a chain d_1..d_K (candidate
      pool optional), cut where the draft's own confidence product falls below `confidence_cut`;
      or W branches of K.
@@ -53,15 +53,16 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from dominospec.config import EngineParams
 from dominospec.errors import UserError
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.clock import PhaseClock
+from dominospec.engine.configure import head_kernel, static_caches
 from dominospec.engine.cost import measure_round_cost
 from dominospec.engine.draft_head import DraftChain, DraftHead, draft_head
 from dominospec.engine.domino_tree import TreeGrower
@@ -81,36 +82,12 @@ from dominospec.engine.tree_round import tree_round
 from dominospec.engine.verdict import Verdict
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.models.domino import DFlashDraftModel
-from dominospec.target import Target
+from dominospec.target import DTYPES, Target
 
 MODES = ("ar", "ngram", "dflash", "domino", "dominotree")
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
 DRAFT_MODES = ("dflash", "domino", "dominotree")
 HEAD_MODES = ("domino", "dominotree")  # the modes that run the Domino head
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Speed knobs of the engine (params `engine:`). None of them changes what is generated."""
-
-    draft_dtype: Optional[torch.dtype] = None  # the draft path's dtype; None = the target's
-    packed: bool = False  # draft-path linears pre-packed for oneDNN (engine.packed; the target is packed by its owner)
-    candidate_pool: int = 0  # M: rollout scores the top-M base-logit candidates; 0 = full vocabulary
-    confidence_cut: float = 0.0  # cut the chain where the product of draft confidences drops below this; 0 = off
-    ngram_min: int = 1  # prompt lookup: shortest suffix n-gram looked up
-    ngram_max: int = 4  # prompt lookup: longest suffix n-gram looked up (tried first)
-    ngram_num_draft: int = 7  # prompt lookup: most tokens proposed per round when num_draft is None
-    acceptance_window: int = 32  # auto-K: rounds over which acceptance is remembered (decayed counts)
-    ngram_assist: bool = False  # draft modes: a round whose context offers a prompt-lookup continuation verifies it instead of drafting
-    ngram_fork: bool = False  # with ngram_assist, greedy: ... verifies it beside the draft's chain, a two-branch tree (engine.fork)
-    tree_width: int = 1  # greedy draft rounds: verify the draft's W best first tokens, each drafted on (engine.draft_head); 1 = a chain
-    tree_nodes: int = 16  # mode dominotree: the best-first tree's node budget N (engine.domino_tree)
-    tree_children: int = 4  # mode dominotree: children offered per expansion
-    head_kernel: str = "torch"  # Domino rollout: "torch" ops, "triton" kernels (dominospec.kernels; greedy chains equal in fp32), or "auto" (triton on CUDA)
-    static_cache: bool = False  # target KV and draft context in fixed-size buffers (engine.target_kv / draft_block)
-    cuda_graphs: bool = False  # with static_cache on CUDA: verify, AR step and draft block replay CUDA graphs
-    graph_capacity: int = 4096  # rows of the largest static caches (smaller buckets below it); a longer generation runs on the dynamic caches
-    lean_target: str = "off"  # with static_cache, the target on the lean decoder (engine.lean_decoder): "on", "off", or "auto" (on CUDA where it fits)
 
 
 class SpecEngine:
@@ -123,10 +100,18 @@ class SpecEngine:
     """
 
     def __init__(self, target: Target, draft: Optional[DFlashDraftModel], mode: str,
-                 num_draft: Union[int, str, None] = None, options: EngineOptions = EngineOptions()):
+                 num_draft: Union[int, str, None] = None, params: Optional[EngineParams] = None):
         if mode not in MODES:
             raise UserError(f"unknown decoding mode {mode!r}: expected one of {list(MODES)}")
-        self.mode, self.target, self.model, self.options = mode, target, target.model, options
+        if params is None:
+            raise UserError("SpecEngine needs the engine's params (params.yaml `engine:`, config.EngineParams)")
+        if params.linear not in ("packed", "torch"):
+            raise UserError(f"engine.linear: {params.linear} is resolved by engine.configure.prepare_target(), "
+                            "which times the target; pass dataclasses.replace(params, linear=its choice)")
+        self.mode, self.target, self.model, self.params = mode, target, target.model, params
+        self.packed = params.linear == "packed"  # the draft path's linears pre-packed for oneDNN (engine.packed)
+        self.static_cache, self.cuda_graphs = static_caches(params)  # fixed-size caches; CUDA graphs replayed on them
+        self.head_kernel = head_kernel(params.head_kernel)  # checked: triton runs here
         self.device = target.device
         self.dtype = target.embed_tokens.weight.dtype
         self.max_positions = int(self.model.config.max_position_embeddings)
@@ -144,8 +129,8 @@ class SpecEngine:
         self.tree_width = 1  # the most draft branches a greedy round verifies
         self.tree_nodes = 0  # dominotree: the most tree nodes a round verifies
         self.grower: Optional[TreeGrower] = None  # dominotree: the tree's build (engine.domino_tree)
-        if options.tree_width < 1:
-            raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {options.tree_width}")
+        if params.tree_width < 1:
+            raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {params.tree_width}")
         self.lean: Optional[LeanDecoder] = None  # the target on the lean decoder (static caches only)
         self.lean_draft: Optional[LeanDraft] = None  # and the draft's backbone, with it
         self._fresh_acceptance()
@@ -153,8 +138,8 @@ class SpecEngine:
             self._use_lean()
             return
         if mode == "ngram":
-            self.block_size = options.ngram_num_draft + 1
-            self._set_num_draft(num_draft, options.ngram_num_draft)
+            self.block_size = params.ngram_num_draft + 1
+            self._set_num_draft(num_draft, params.ngram_num_draft)
             self.lookup_k_max = self.num_draft  # its drafts are the lookups
             self._fresh_acceptance()
             self._use_lean()
@@ -167,25 +152,25 @@ class SpecEngine:
         resolved = torch.empty(0, device=self.device).device  # "cuda" -> "cuda:0"
         if draft.fc.weight.device != resolved:
             raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
-        self.draft_dtype = options.draft_dtype or self.dtype
+        self.draft_dtype = DTYPES[params.draft_dtype] if params.draft_dtype else self.dtype
         self.draft, self.draft_lm_head = self._draft_path(draft.eval())
         self.block_size = int(draft.config.block_size)
-        self.head = draft_head(self.draft, self.embed_tokens, mode, options.head_kernel, options.candidate_pool,
-                               options.static_cache, options.cuda_graphs, self.block_size, self.draft_dtype, self.device)
+        self.head = draft_head(self.draft, self.embed_tokens, mode, self.head_kernel, params.candidate_pool,
+                               self.static_cache, self.cuda_graphs, self.block_size, self.draft_dtype, self.device)
         if self.block_size < 2:
             raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
         self._set_num_draft(num_draft, self.block_size - 1)
-        self.lookup_k_max = options.ngram_num_draft if options.ngram_assist else 0
+        self.lookup_k_max = params.ngram_num_draft if params.ngram_assist else 0
         if mode == "dominotree":
-            if options.tree_nodes < 1 or options.tree_children < 1:
+            if params.tree_nodes < 1 or params.tree_children < 1:
                 raise UserError(f"engine.tree_nodes and engine.tree_children must be >= 1, got "
-                                f"{options.tree_nodes} and {options.tree_children}")
-            self.tree_nodes = options.tree_nodes
-            self.grower = TreeGrower(self.draft, self.embed_tokens, options.tree_nodes, options.tree_children,
-                                     options.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
-                                     self.draft_dtype, self.device, graphs=options.static_cache and options.cuda_graphs)
+                                f"{params.tree_nodes} and {params.tree_children}")
+            self.tree_nodes = params.tree_nodes
+            self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree_nodes, params.tree_children,
+                                     params.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
+                                     self.draft_dtype, self.device, graphs=self.cuda_graphs)
         else:
-            self.tree_width = options.tree_width
+            self.tree_width = params.tree_width
         self._fresh_acceptance()
         self.layer_ids = list(draft.config.target_layer_ids)
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
@@ -197,15 +182,15 @@ class SpecEngine:
         """`lean_target` with static caches: the target's forwards on the lean decoder (Triton ops on
         CUDA, their torch references elsewhere). "on" insists (an error names what does not fit);
         "auto" takes it on CUDA where the model is supported and the widest round fits a bitmask."""
-        choice = self.options.lean_target
+        choice = self.params.lean_target
         if choice not in ("on", "off", "auto"):
             raise UserError(f"engine.lean_target must be on, off or auto, got {choice!r}")
-        if choice == "off" or not self.options.static_cache:
+        if choice == "off" or not self.static_cache:
             return
         rows = max(self.block_size, self.max_verify) + 1
         problem = (unsupported(self.model) or (rows > MAX_TREE_ROWS and
                                                f"its widest round verifies {rows} rows, over {MAX_TREE_ROWS}")
-                   or (self.options.packed and "the draft path's linears are packed for oneDNN (engine.linear)"))
+                   or (self.packed and "the draft path's linears are packed for oneDNN (engine.linear)"))
         if choice == "auto" and (problem or self.device.type != "cuda"):
             return
         if problem:
@@ -225,19 +210,19 @@ class SpecEngine:
     def _fresh_acceptance(self) -> None:
         """Auto-K's acceptance models, empty: the draft's chains, and prompt lookups (the same
         model in `ngram` mode, where lookups are the drafts; None without lookups)."""
-        self.acceptance = AcceptanceModel(self.num_draft, self.options.acceptance_window)
-        self.ranks = RankModel(self.tree_width, self.options.acceptance_window)  # the draft's 2nd..W-th guesses
-        self.tree_model = TreeModel(self.tree_nodes, self.num_draft, self.options.acceptance_window)  # dominotree
+        self.acceptance = AcceptanceModel(self.num_draft, self.params.acceptance_window)
+        self.ranks = RankModel(self.tree_width, self.params.acceptance_window)  # the draft's 2nd..W-th guesses
+        self.tree_model = TreeModel(self.tree_nodes, self.num_draft, self.params.acceptance_window)  # dominotree
         self.lookup_acceptance: Optional[AcceptanceModel] = None
         if self.mode == "ngram":
             self.lookup_acceptance = self.acceptance
         elif self.lookup_k_max:
-            self.lookup_acceptance = AcceptanceModel(self.lookup_k_max, self.options.acceptance_window)
+            self.lookup_acceptance = AcceptanceModel(self.lookup_k_max, self.params.acceptance_window)
 
     @property
     def forking(self) -> bool:
         """Draft modes with ngram_assist and ngram_fork: a lookup hit may be verified beside the chain."""
-        return self.draft is not None and self.lookup_k_max > 0 and self.options.ngram_fork
+        return self.draft is not None and self.lookup_k_max > 0 and self.params.ngram_fork
 
     @property
     def max_verify(self) -> int:
@@ -251,14 +236,14 @@ class SpecEngine:
     def _draft_path(self, draft: DFlashDraftModel):
         """The draft (and the LM head giving its base logits) in the draft path's dtype, packed when asked.
         A copy when anything changes: the caller's draft is shared by other engines."""
-        if self.draft_dtype == draft.fc.weight.dtype and not self.options.packed:
+        if self.draft_dtype == draft.fc.weight.dtype and not self.packed:
             return draft, self.lm_head
         draft = copy.deepcopy(draft).to(self.draft_dtype)
-        if self.device.type == "cpu" and self.options.head_kernel != "triton":
+        if self.device.type == "cpu" and self.head_kernel != "triton":
             draft.prefix_gru.float()  # the GRU cell in fp32 on CPU: 3x a bf16 cell's speed there (torch's bf16 mm), as exact
-        if self.options.packed:
+        if self.packed:
             pack_linears(draft)
-        return draft, linear_for(self.lm_head, self.draft_dtype, self.options.packed)
+        return draft, linear_for(self.lm_head, self.draft_dtype, self.packed)
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -316,8 +301,8 @@ class SpecEngine:
         if drafting:
             state.pending.append(features)
         stats.prefill_s = self.now() - t_begin
-        if self.mode == "ngram" or (drafting and self.options.ngram_assist):
-            state.index = NgramIndex(self.options.ngram_min, self.options.ngram_max)
+        if self.mode == "ngram" or (drafting and self.params.ngram_assist):
+            state.index = NgramIndex(self.params.ngram_min, self.params.ngram_max)
             state.index.extend(prompt.tolist())
 
         tokens: list[int] = []
@@ -368,7 +353,7 @@ class SpecEngine:
         runners: the verify of each T rows, the draft block of each S appended rows, the greedy
         rollout of each K (and W). Their CUDA graphs are then captured (and the kernels compiled)
         before the first request, not inside a timed one. A no-op on the dynamic caches."""
-        if not self.options.static_cache or rows > self.options.graph_capacity:
+        if not self.static_cache or rows > self.params.graph_capacity:
             return
         kv, drafter = self.runners(rows)
         ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
@@ -385,7 +370,7 @@ class SpecEngine:
                                            self.block_size)
             drafter.crop(1)
         for K in range(1, self.num_draft + 1):
-            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.options.confidence_cut > 0)
+            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
             for W in range(2, self.tree_width + 1):
                 self.head.branches(z[:K], base_logits[:K], x_start, W)
             if self.grower is not None:
@@ -394,8 +379,8 @@ class SpecEngine:
     def capture_all(self) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
         (a server's start-up). A no-op without graphs."""
-        if self.options.static_cache and self.options.cuda_graphs:
-            for capacity in static_buckets(self.options.graph_capacity, MIN_BUCKET):
+        if self.static_cache and self.cuda_graphs:
+            for capacity in static_buckets(self.params.graph_capacity, MIN_BUCKET):
                 self.capture(capacity)
 
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
@@ -435,7 +420,7 @@ class SpecEngine:
         z, base_logits = block
         if W > 1:
             return list(self.head.branches(z, base_logits, x_start, W)), None
-        chain = self.head.chain(z, base_logits, x_start, sampling, generator, self.options.confidence_cut > 0)
+        chain = self.head.chain(z, base_logits, x_start, sampling, generator, self.params.confidence_cut > 0)
         return [chain.tokens[:self._cut(chain)]], chain
 
     def _verify(self, state, x_start, drafts: list[torch.Tensor], chain: Optional[DraftChain],
@@ -557,9 +542,9 @@ class SpecEngine:
     def _cut(self, chain: DraftChain) -> int:
         """A chain of K drafts -> how many to verify: up to where the product of their draft
         confidences drops below `confidence_cut` (all K when the cut is off)."""
-        if self.options.confidence_cut <= 0 or chain.confidence is None:
+        if self.params.confidence_cut <= 0 or chain.confidence is None:
             return chain.tokens.shape[0]
-        keep = torch.cumprod(chain.confidence.float(), 0) >= self.options.confidence_cut
+        keep = torch.cumprod(chain.confidence.float(), 0) >= self.params.confidence_cut
         return int(keep.long().cumprod(0).sum())
 
     def _draft_probs(self, chain: Optional[DraftChain], K: int, V: int,
@@ -577,22 +562,22 @@ class SpecEngine:
         """A generation of at most `rows` positions -> (target KV runner, draft block runner or None), reset.
         The static ones (CUDA graphs on a GPU) when `static_cache` is on and `rows` fit them, in the
         smallest capacity bucket that holds `rows` (`static_buckets`); else the dynamic ones."""
-        opts = self.options
-        if opts.static_cache and rows <= opts.graph_capacity:
-            capacity = next(c for c in static_buckets(opts.graph_capacity, MIN_BUCKET) if c >= rows)
+        graphs = self.cuda_graphs
+        if self.static_cache and rows <= self.params.graph_capacity:
+            capacity = next(c for c in static_buckets(self.params.graph_capacity, MIN_BUCKET) if c >= rows)
             if capacity not in self._statics:
                 rows = max(self.block_size, self.max_verify) + 1
                 if self.lean is not None:
-                    kv = LeanTargetKV(self.lean, self.layer_ids, capacity, rows, graphs=opts.cuda_graphs)
+                    kv = LeanTargetKV(self.lean, self.layer_ids, capacity, rows, graphs=graphs)
                 else:
-                    kv = StaticTargetKV(self.model, self.layer_ids, capacity, rows, graphs=opts.cuda_graphs)
+                    kv = StaticTargetKV(self.model, self.layer_ids, capacity, rows, graphs=graphs)
                 drafter = None
                 if self.lean_draft is not None:
                     drafter = LeanDraftBlock(self.lean_draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,
-                                             capacity, graphs=opts.cuda_graphs)
+                                             capacity, graphs=graphs)
                 elif self.draft is not None:
                     drafter = StaticDraftBlock(self.draft, self.draft_lm_head, self.embed_tokens, self.mask_embeds,
-                                               capacity, graphs=opts.cuda_graphs)
+                                               capacity, graphs=graphs)
                 self._statics[capacity] = (kv, drafter)
             self._static = self._statics[capacity]
             kv, drafter = self._static

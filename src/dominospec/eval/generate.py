@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dominospec.config import Params
 from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import engine_options, prepare_target, sampling_from
+from dominospec.engine.configure import prepare_target, sampling_from
 from dominospec.eval.prompts import render
 
 
@@ -26,7 +28,7 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     draft = None if mode in ("ar", "ngram") else load_draft(draft_dir(params.paths), target)
     linear = prepare_target(target, params.engine)
     num_draft = None if mode == "ar" or (mode == "ngram" and cfg.num_draft != "auto") else cfg.num_draft
-    engine = SpecEngine(target, draft, mode, num_draft, engine_options(params.engine, linear))
+    engine = SpecEngine(target, draft, mode, num_draft, dataclasses.replace(params.engine, linear=linear))
     ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats

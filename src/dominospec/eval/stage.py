@@ -35,7 +35,7 @@ import torch
 from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import engine_options, prepare_target, sampling_from
+from dominospec.engine.configure import prepare_target, sampling_from
 from dominospec.engine.policy import choose_k, choose_tree
 from dominospec.engine.tree_policy import choose_nodes
 from dominospec.eval.plots import write_plots
@@ -74,7 +74,7 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
     source = draft_dir(params.paths)
     draft = load_draft(source, target)
     linear = prepare_target(target, params.engine)  # engine.linear: auto times both kernels here
-    options = engine_options(params.engine, linear)
+    options = dataclasses.replace(params.engine, linear=linear)  # the engines' params, engine.linear resolved
     spec_mode = HEAD if draft.config.use_domino_head else NO_HEAD
     ngram_k = cfg.num_draft if cfg.num_draft == "auto" else None  # else params.engine.ngram_num_draft
     # AR gets the same engine options (CUDA graphs on a GPU): the speed-ups are against a fast AR

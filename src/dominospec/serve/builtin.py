@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -102,7 +103,7 @@ def load_service(params: Params) -> "Service":
     import torch
 
     from dominospec.engine import SpecEngine, draft_dir, load_draft
-    from dominospec.engine.configure import engine_options, prepare_target
+    from dominospec.engine.configure import prepare_target
     from dominospec.serve.requests import sampling_defaults
     from dominospec.serve.service import Service
     from dominospec.serve.worker import EngineWorker
@@ -119,7 +120,7 @@ def load_service(params: Params) -> "Service":
     draft = None if path is None else load_draft(path, target)
     linear = prepare_target(target, params.engine)  # the same kernels for every request, spec or not
     engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None,
-                        engine_options(params.engine, linear))
+                        dataclasses.replace(params.engine, linear=linear))
     engine.capture_all()  # on CUDA graphs: every shape captured before the first request
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
