@@ -26,59 +26,43 @@ against bf16 AR, and the divergences' top-2 gaps show whether they happen only a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
-import platform
 import sys
 import time
 
 import torch
 
+from dominospec.bench import environment, load_draft, load_target, parser, setup, suites, warm_up, write_json
+
 
 def main() -> None:
-    from dominospec.config import load_params
-    from dominospec.engine import SpecEngine, draft_dir, load_draft
+    from dominospec.engine import SpecEngine
     from dominospec.engine.configure import engine_options, prepare_target
-    from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import first_divergence, top2_margin
-    from dominospec.target import load_target
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", help="override target.dtype (bfloat16: the bf16 target mode)")
-    parser.add_argument("--draft", help="a trained draft dir for the domino setup")
-    parser.add_argument("--random-draft", action="store_true")
-    parser.add_argument("--suites", default="sharegpt,humaneval")
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--fork-too", action="store_true",
-                        help="also run domino with engine.ngram_fork off, interleaved (needs --draft or --random-draft)")
-    parser.add_argument("--tree-too", action="store_true",
-                        help="also run domino with engine.tree_width 1, interleaved (needs --draft or --random-draft)")
-    parser.add_argument("--plain-too", action="store_true",
-                        help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
-    args = parser.parse_args()
+    p = parser(__doc__, threads=2, prompts=8, new_tokens=128)
+    p.add_argument("--dtype", help="override target.dtype (bfloat16: the bf16 target mode)")
+    p.add_argument("--draft", help="a trained draft dir for the domino setup")
+    p.add_argument("--random-draft", action="store_true")
+    p.add_argument("--suites", default="sharegpt,humaneval")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--fork-too", action="store_true",
+                   help="also run domino with engine.ngram_fork off, interleaved (needs --draft or --random-draft)")
+    p.add_argument("--tree-too", action="store_true",
+                   help="also run domino with engine.tree_width 1, interleaved (needs --draft or --random-draft)")
+    p.add_argument("--plain-too", action="store_true",
+                   help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
+    args = p.parse_args()
 
-    params = load_params(args.params)
-    torch.set_num_threads(args.threads)
-    target_params = dataclasses.replace(params.target, **({"dtype": args.dtype} if args.dtype else {}))
-    stock = load_target(target_params)  # transformers as users run it
-    ours = load_target(target_params)
+    params = setup(args)
+    stock = load_target(params, dtype=args.dtype)  # transformers as users run it
+    ours = load_target(params, dtype=args.dtype)
+    target_dtype = stock.identity.dtype
     options = engine_options(params.engine, prepare_target(ours, params.engine))
     engines = {"ar": SpecEngine(ours, None, "ar"),
                "ngram": SpecEngine(ours, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, options)}
     if args.draft or args.random_draft:
-        if args.random_draft:
-            sys.path.insert(0, "benchmarks")
-            from round_cost import random_draft
-
-            draft = random_draft(params, ours)
-        else:
-            draft = load_draft(args.draft, ours)
+        draft = load_draft(params, ours, args.draft, random=args.random_draft)
         engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
         if args.tree_too:
             engines["domino chain"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
@@ -91,7 +75,7 @@ def main() -> None:
         engines["ar plain"] = SpecEngine(stock, None, "ar")
         engines["ngram plain"] = SpecEngine(stock, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, plain)
         if "domino" in engines:
-            engines["domino plain"] = SpecEngine(stock, load_draft(args.draft, stock) if args.draft else draft, "domino",
+            engines["domino plain"] = SpecEngine(stock, load_draft(params, stock, args.draft) if args.draft else draft, "domino",
                                                  params.evaluate.num_draft, plain)
     stops = list(engines["ar"].stop_ids)
 
@@ -105,12 +89,10 @@ def main() -> None:
         return out[0, len(ids):].tolist(), seconds
 
     results = {}
-    for spec in args.suites.split(","):
-        suite = load_suite(spec, ours.tokenizer, params.paths.prepared, args.prompts, 1024)
+    for spec, suite in zip(args.suites.split(","), suites(params, ours.tokenizer, args.prompts, args.suites.split(","), 1024)):
         with torch.inference_mode():
             hf(suite.prompts[0], False), hf(suite.prompts[0], True)
-        for engine in engines.values():
-            engine.generate(suite.prompts[0], 8)  # warm-up (and auto-K's cost measurement)
+        warm_up(engines, suite.prompts[0])  # and auto-K's cost measurement
         hf_runs, runs = {"hf generate": [], "hf prompt lookup": []}, []
         for i, ids in enumerate(suite.prompts):
             with torch.inference_mode():
@@ -145,8 +127,9 @@ def main() -> None:
                                                         "top2_margin": top2_margin(engines["ar"], ids + ref[:at])})
         results[spec] = rows
 
-    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, target {target_params.dtype}, greedy, {args.prompts} prompts x "
+    env = environment(False, draft=args.draft)
+    print(f"\n{env['date']}, {env['device']}, torch {env['torch']}, "
+          f"threads {env['threads']}, target {target_dtype}, greedy, {args.prompts} prompts x "
           f"<= {args.new_tokens} tokens, engine {dataclasses.asdict(params.engine)}, num_draft {params.evaluate.num_draft}")
     print("| suite | setup | tokens/s | vs hf generate | vs our ar | τ | exact vs hf | exact vs our ar |")
     print("|---|---|---|---|---|---|---|---|")
@@ -160,8 +143,7 @@ def main() -> None:
         for d in rows["divergences_from_ar"]:
             print(f"  divergence {spec} prompt {d['prompt']} {d['mode']} at {d['position']}: top-2 gap {d['top2_margin']:.4f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, {"environment": env, **results})
 
 
 if __name__ == "__main__":

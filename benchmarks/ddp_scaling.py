@@ -82,12 +82,10 @@ PROCESS_START = time.perf_counter()  # before the heavy imports: start-up is tim
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import lzma  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -97,6 +95,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
 import yaml  # noqa: E402
+
+from dominospec.bench import apply_sets, environment, save_random_target  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_KEYS = ("prepared", "regenerated", "cache")  # paths the two runs share; the others are per run
@@ -186,16 +186,6 @@ def train_run(argv: list[str]) -> None:
 # ---- the benchmark ------------------------------------------------------------------------------
 
 
-def apply_sets(raw: dict[str, Any], sets: list[str]) -> None:
-    """SECTION.KEY=VALUE items (VALUE as YAML) -> raw params, in place; an unknown key stops."""
-    for item in sets:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        if section not in raw or name not in raw[section]:
-            raise SystemExit(f"--set {item}: no params key {key}")
-        raw[section][name] = yaml.safe_load(value)
-
-
 def shared_params(args: argparse.Namespace, shared: Path) -> dict[str, Any]:
     """The preset with this machine's target, the data, --regenerate and --set -> raw params whose
     paths all lie under `shared` (the runs move theirs out, see `run_params`)."""
@@ -238,7 +228,7 @@ def prepare_shared(args: argparse.Namespace, shared: Path) -> tuple[Any, dict[st
     from dominospec.cache.stage import cache
     from dominospec.config import load_params
     from dominospec.data.prepare import prepare
-    from dominospec.data.regenerate import regenerate
+    from dominospec.regenerate.stage import regenerate
 
     raw = shared_params(args, shared)
     packed = None if args.dataset else Path(args.data).resolve() / "conversations.jsonl.xz"
@@ -356,21 +346,21 @@ def agreement(one: dict[str, Any], many: dict[str, Any]) -> dict[str, Any]:
             "val_loss_delta": many["val_loss"] - one["val_loss"]}
 
 
-def environment(params: Any) -> dict[str, Any]:
+def run_environment(params: Any) -> dict[str, Any]:
+    """bench.environment and what a DDP run adds: the accelerator, the process group's backend, every
+    device, lightning and NCCL."""
     import lightning
     import torch
 
     cuda = torch.cuda.is_available() and params.train.accelerator in ("auto", "gpu", "cuda")
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(),
+        **environment(cuda),
         "accelerator": "cuda" if cuda else "cpu",
         "process_group_backend": "nccl" if cuda else "gloo",
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
         else [f"cpu ({os.cpu_count()} cores)"],
-        "torch": torch.__version__, "lightning": lightning.__version__, "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-        "python": platform.python_version(),
     }
 
 
@@ -410,7 +400,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         run["validation"] = revalidate(load_params(work / name / "params.yaml"))
     one, many = runs[names[1]], runs[names[K]]
     report = {
-        **environment(params),
+        **run_environment(params),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "params": args.params, "set": args.set, "ddp_set": args.ddp_set,
         "data": args.dataset or args.data, "regenerate": args.regenerate, "skip": args.skip,
@@ -455,28 +445,28 @@ SMOKE_SETS = [
     "train.batch_size=2", "train.num_anchors=4", "train.val_max_sequences=8", "train.precision=32-true",
     "train.accelerator=cpu", "train.log_every_steps=1", "train.num_workers=0",
 ]
+# The tiny target: a random Llama of 6 layers, hidden 32, a vocabulary of 300 words t0..t299.
+SMOKE_TARGET = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2, tie_word_embeddings=True)
 # A chat template whose generation prompt is the assistant header (prepare checks that prefixes agree).
 SMOKE_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t3 {{ m['content'] }} {% else %}t4 "
                   "{{ m['content'] }} t2 {% endif %}{% endfor %}{% if add_generation_prompt %}t4 {% endif %}")
 
 
 def smoke_inputs(root: Path, conversations: int = 120) -> tuple[Path, Path]:
-    """A tiny random target (tests/cache/cache_helpers.py, with a chat template) and a `pack`
-    folder of random conversations over its words t10..t299 (t5 free for the MASK) -> (target, pack)."""
+    """A tiny random target (SMOKE_TARGET, weights drawn from N(0, 0.2²), a word-level tokenizer with
+    SMOKE_TEMPLATE) and a `pack` folder of random conversations over its words t10..t299 (t5 free for
+    the MASK) -> (target, pack)."""
     import random
 
-    sys.path.insert(0, str(REPO / "tests" / "cache"))
-    from cache_helpers import VOCAB, save_tiny_target
-    from transformers import AutoTokenizer
+    from transformers import LlamaConfig
 
-    target = save_tiny_target(root / "target", "llama")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    tokenizer.chat_template = SMOKE_TEMPLATE
-    tokenizer.save_pretrained(target)
+    target = save_random_target(root / "target", LlamaConfig(**SMOKE_TARGET), std=0.2, chat_template=SMOKE_TEMPLATE)
     pack = root / "pack"
     pack.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    words = lambda n: " ".join(f"t{rng.randrange(10, VOCAB)}" for _ in range(n))  # noqa: E731
+    words = lambda n: " ".join(f"t{rng.randrange(10, SMOKE_TARGET['vocab_size'])}" for _ in range(n))  # noqa: E731
     with lzma.open(pack / "conversations.jsonl.xz", "wt", encoding="utf-8") as f:
         for i in range(conversations):
             messages = [{"role": "user", "content": words(rng.randint(4, 30))},

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from dominospec.bench import flatten, load_packed, load_target, parser, setup, until_stop, with_answer
+
 # name -> overrides of (draft.*, train.*) and the data ("regen" | "orig", fraction of conversations)
 BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False,
             labels="data", lr=None, orig=0, loss_vocab="full", batch_size=None)
@@ -96,30 +98,14 @@ def first_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return []
 
 
-def flatten(seqs: list[torch.Tensor]) -> dict[str, Any]:
-    """Sequences of token ids (< 65536) -> {ids: uint16 numpy [sum T], offsets: int64 [n+1]}: small to carry."""
-    import numpy as np
-
-    lengths = [len(s) for s in seqs]
-    flat = torch.cat([s.to(torch.int64) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
-    return {"ids": flat.numpy().astype(np.uint16), "offsets": np.cumsum([0] + lengths)}
-
-
-def unflatten(packed: dict[str, Any]) -> list[torch.Tensor]:
-    """The inverse of `flatten` -> int64 tensors."""
-    ids, off = torch.from_numpy(packed["ids"].astype("int64")), packed["offsets"]
-    return [ids[off[i]:off[i + 1]] for i in range(len(off) - 1)]
-
-
 def pack(args: argparse.Namespace) -> None:
     from datasets import load_from_disk
 
-    from dominospec.config import load_params
-    from dominospec.eval.prompts import load_suite, render
-    from dominospec.target import load_target
+    from dominospec.data.chat import render_prompt as render
+    from dominospec.eval.prompts import load_suite
 
-    params = load_params(args.params)
-    target = load_target(params.target, device=torch.device("cpu"))
+    params = setup(args)
+    target = load_target(params, device=torch.device("cpu"))
     tok = target.tokenizer
     data = load_from_disk(params.paths.prepared)
     meta = json.loads((Path(params.paths.prepared) / "meta.json").read_text())
@@ -149,18 +135,6 @@ def pack(args: argparse.Namespace) -> None:
     torch.save(packed, args.out)
     sizes = {k: len(v["offsets"]) - 1 for k, v in packed.items() if isinstance(v, dict) and "offsets" in v}
     print(json.dumps({"out": args.out, **sizes, "suites": {k: len(v) for k, v in suites.items()}}))
-
-
-def load_packed(path: str) -> dict[str, Any]:
-    """A `pack` file -> {train_prompts, val_prompts: [ids], orig: [(ids, loss_mask)], suites: {name: [ids]}, mask_token_id}."""
-    raw = torch.load(path, weights_only=False)
-    return {
-        "train_prompts": unflatten(raw["train_prompts"]),
-        "val_prompts": unflatten(raw["val_prompts"]),
-        "orig": list(zip(unflatten(raw["orig_ids"]), [m.bool() for m in unflatten(raw["orig_mask"])])),
-        "suites": {k: unflatten(v) for k, v in raw["suites"].items()},
-        "mask_token_id": raw["mask_token_id"],
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,10 +171,8 @@ def greedy_answers(target: Any, prompts: list[torch.Tensor], max_new: int, batch
             out = model.generate(input_ids=ids.to(target.device), attention_mask=attn.to(target.device),
                                  max_new_tokens=max_new, do_sample=False, eos_token_id=stops, pad_token_id=pad)
             for r, i in enumerate(rows):
-                gen = out[r, T:].tolist()
-                cut = next((k + 1 for k, t in enumerate(gen) if t in stops), len(gen))
-                answers[i] = gen[:cut]
-                made += cut
+                answers[i] = until_stop(out[r, T:].tolist(), stops)
+                made += len(answers[i])
             bar.update(len(rows))
             bar.set_postfix(tok_s=round(made / (time.perf_counter() - started)))
     return answers, made / max(1e-9, time.perf_counter() - started)
@@ -208,14 +180,7 @@ def greedy_answers(target: Any, prompts: list[torch.Tensor], max_new: int, batch
 
 def as_sequences(prompts: list[torch.Tensor], answers: list[list[int]]) -> list[dict[str, torch.Tensor]]:
     """(prompt, answer) pairs -> {input_ids, loss_mask on the answer} items (unanswered ones dropped)."""
-    items = []
-    for p, a in zip(prompts, answers):
-        if a:
-            ids = torch.cat([p.long(), torch.tensor(a, dtype=torch.long)])
-            mask = torch.zeros(len(ids), dtype=torch.bool)
-            mask[len(p):] = True
-            items.append({"input_ids": ids, "loss_mask": mask})
-    return items
+    return [with_answer(p, a) for p, a in zip(prompts, answers) if a]
 
 
 def loop_share(answers: list[list[int]], cap: int) -> float:
@@ -299,19 +264,17 @@ def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: 
 
 
 def run(args: argparse.Namespace) -> None:
-    from dominospec.config import load_params
-    from dominospec.target import default_layer_ids, load_target
+    from dominospec.target import default_layer_ids
 
     started = time.perf_counter()
     deadline = started + args.budget_seconds
     torch.set_float32_matmul_precision("high")
     state = Path(args.state)
     state.mkdir(parents=True, exist_ok=True)
-    params = load_params(args.params)
-    params = dataclasses.replace(params, target=dataclasses.replace(params.target, model=args.gguf_dir, device="auto"))
+    params = setup(args)
     params = dataclasses.replace(params, train=dataclasses.replace(
         params.train, batch_size=args.batch_size, num_anchors=args.num_anchors))
-    target = load_target(params.target)
+    target = load_target(params, args.gguf_dir)
     data = load_packed(args.data)
     layer_ids = default_layer_ids(target.num_layers, params.cache.num_feature_layers)
 
@@ -413,8 +376,8 @@ def study_table(results: dict[str, Any], gen: dict[str, Any], args: argparse.Nam
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    top = parser(__doc__, params=None)
+    sub = top.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack")
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--out", required=True)
@@ -439,7 +402,7 @@ def main() -> None:
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--regen-new-tokens", type=int, default=256)
     r.add_argument("--suite-new-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = top.parse_args()
     pack(args) if args.cmd == "pack" else run(args)
 
 

@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import sys
 import time
 import traceback
@@ -72,7 +70,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
+from dominospec.bench import (HEAD_SHAPES, capture, environment, head_rollouts, interleave, load_target, log, median_ms,
+                              pack_suites, random_head, random_target, read_prompts, require_cuda, sync,
+                              until_stop, write_json)
+from dominospec.bench import parser as make_parser
+
 MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree", "dominotree+fork",
          "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
          "domino+tree graphs", "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "domino lean",
@@ -83,37 +85,6 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 SMOKE_QWEN3 = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def median_ms(fn: Callable, reps: int, cuda: bool, before: Callable = lambda: None) -> float:
-    """Median wall ms of fn() over `reps` calls after 3 warm-ups; `before()` runs untimed before each call."""
-    times = []
-    for i in range(reps + 3):
-        before()
-        sync(cuda)
-        t0 = time.perf_counter()
-        fn()
-        sync(cuda)
-        if i >= 3:
-            times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
-
-
-def capture(fn: Callable, before: Callable = lambda: None):
-    """fn -> (replay, static output): the engine's own capture (engine.graphs), after side-stream warm-ups."""
-    from dominospec.engine.graphs import capture as capture_graph
-
-    graph, out = capture_graph(fn, before)
-    return graph.replay, out
 
 
 @contextmanager
@@ -135,29 +106,17 @@ def building(device: torch.device, dtype: torch.dtype):
 
 def smoke_models(device: torch.device):
     """Tiny random Llama target (word-level tokenizer, EOS 2) and a tiny Domino draft for it, fp32."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
 
     from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
-    from dominospec.target import Target, TargetIdentity
 
     V, L = 128, 4
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t2")
     config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                          pad_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # peaked next-token distributions: loops, so lookups and drafts get accepted
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.25)
-    model.to(device).eval().requires_grad_(False)
-    identity = TargetIdentity(name="smoke", revision=None, sha256="smoke", dtype="float32", num_layers=L,
-                              hidden_size=32, vocab_size=V)
-    target = Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
+    # peaked next-token distributions (std 0.25): loops, so lookups and drafts get accepted
+    target = random_target(config, device=device, std=0.25, name="smoke")
+    identity = target.identity
     draft = DFlashDraftModel(DominoDraftConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, block_size=8, num_target_layers=L, emb_dim=8, target=identity.as_dict(),
@@ -172,30 +131,10 @@ def load_prompts(args: argparse.Namespace) -> dict[str, list[list[int]]]:
         suites = {s: [torch.randint(3, 120, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (3,), generator=g)]
                   for s in ("smoke-a", "smoke-b")}
     elif args.suite_from_study:
-        sys.path.insert(0, str(BENCH))
-        from draft_study import load_packed
-
-        suites = {name: [p.tolist() for p in ps] for name, ps in load_packed(args.suite_from_study)["suites"].items()}
-    elif args.prompts.endswith(".pt"):
-        raw = torch.load(args.prompts, weights_only=False)
-        raw = raw if isinstance(raw, dict) else {"prompts": raw}
-        suites = {name: [torch.as_tensor(p).tolist() for p in ps] for name, ps in raw.items()}
+        suites = pack_suites(args.suite_from_study)
     else:
-        suites = {}
-        for line in Path(args.prompts).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                suites.setdefault(row.get("suite", "prompts"), []).append([int(t) for t in row["prompt_ids"]])
+        suites = read_prompts(args.prompts)
     return {name: ps[: args.max_prompts] for name, ps in suites.items() if ps}
-
-
-def interleave(suites: dict[str, list[list[int]]]) -> list[tuple[str, list[int]]]:
-    """{suite: prompts} -> [(suite, prompt)] alternating suites, so a budget cut keeps them balanced."""
-    out, i = [], 0
-    while any(i < len(ps) for ps in suites.values()):
-        out += [(name, ps[i]) for name, ps in suites.items() if i < len(ps)]
-        i += 1
-    return out
 
 
 class GraphAR:
@@ -222,9 +161,7 @@ class GraphAR:
             torch.compiler.cudagraph_mark_step_begin()
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                   **self.kwargs)
-        new = out[0, len(prompt):].tolist()
-        cut = next((k + 1 for k, t in enumerate(new) if t in self.stops), len(new))
-        return new[:cut]
+        return until_stop(out[0, len(prompt):].tolist(), self.stops)
 
 
 def load_e2e(args: argparse.Namespace, device: torch.device):
@@ -233,13 +170,9 @@ def load_e2e(args: argparse.Namespace, device: torch.device):
         return smoke_models(device)
     from dominospec.config import load_params
     from dominospec.engine import load_draft
-    from dominospec.target import load_target
 
-    params = load_params(args.params)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    params = dataclasses.replace(params, target=dataclasses.replace(params.target, model=args.gguf_dir, device="auto",
-                                                                    dtype=dtype))
-    target = load_target(params.target)
+    target = load_target(load_params(args.params), args.gguf_dir, dtype)
     return target, load_draft(args.draft, target)
 
 
@@ -528,21 +461,17 @@ def time_draft(draft: Any, lm_head: Any, prefix: int, rows: int, shapes: list[in
 
 def head_times(args: argparse.Namespace, Ks: list[int], cuda: bool) -> dict:
     """K -> head rollout ms and where it came from: --head-json (scaled by corrected steps), or timed here."""
-    sys.path.insert(0, str(BENCH))
-    import head_kernels_gpu as hk
-
     if args.head_json:
         data = json.loads(Path(args.head_json).read_text())
         row = next(r for r in data["rows"] if r["path"] == args.head_row)
         Kj, P = data["shapes"]["num_draft"], data["shapes"]["prefix"]
         return {K: dict(ms=row["ms"] * (K - P) / (Kj - P), source=f"{args.head_json}: {args.head_row}, K={Kj}"
                         + ("" if K == Kj else f", scaled by corrected steps {K - P}/{Kj - P}")) for K in Ks}
-    hr = hk.import_kernels()
     out = {}
     for K in Ks:
-        s = dict(hk.QWEN3_8B if cuda else hk.SMOKE, num_draft=K)
-        w = hk.random_head(s, torch.bfloat16 if cuda else torch.float32, torch.device("cuda" if cuda else "cpu"))
-        paths = hk.rollouts(hr, w, s, None, 2 << 30)
+        s = dict(HEAD_SHAPES["qwen3-8b" if cuda else "smoke"], num_draft=K)
+        w = random_head(s, torch.bfloat16 if cuda else torch.float32, torch.device("cuda" if cuda else "cpu"))
+        paths = head_rollouts(w, s, None, 2 << 30)
         if cuda:
             replay, _ = capture(paths["triton"])
             out[K] = dict(ms=median_ms(replay, args.reps, cuda), source="timed here: triton + graph (GRU table)")
@@ -660,17 +589,15 @@ def tables(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__, new_tokens=256)
     parser.add_argument("--out", required=True, help="JSON result path")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random models, few tokens")
     parser.add_argument("--smoke-on-gpu", action="store_true", help="the smoke run's tiny models on CUDA (graph capture check)")
-    parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--gguf-dir", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--draft", help="trained draft dir (HF layout)")
     parser.add_argument("--suite-from-study", help="packed file of benchmarks/draft_study.py pack (its suites)")
     parser.add_argument("--prompts", help=".pt list (or {suite: list}) of ids, or JSONL of {prompt_ids, suite?}")
     parser.add_argument("--max-prompts", type=int, default=16, help="per suite")
-    parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on CUDA")
     parser.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
@@ -693,26 +620,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.new_tokens, args.reps = min(args.new_tokens, 24), min(args.reps, 3)
-    elif not torch.cuda.is_available():
-        sys.exit("error: no CUDA device (use --smoke on CPU)")
-    elif not args.skip_e2e and not (args.gguf_dir and args.draft and (args.suite_from_study or args.prompts)):
+    else:
+        require_cuda()
+    if not args.smoke and not args.skip_e2e and not (args.gguf_dir and args.draft and (args.suite_from_study or args.prompts)):
         sys.exit("error: the e2e part needs --gguf-dir, --draft and --suite-from-study or --prompts (or --skip-e2e)")
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
-    import transformers
-
-    result: dict[str, Any] = dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
-        device=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine() or "cpu",
-        torch=torch.__version__, transformers=transformers.__version__, cuda=torch.version.cuda,
-        command=" ".join(sys.argv), budget_seconds=args.budget_seconds)
-    try:
-        import triton
-        result["triton"] = triton.__version__
-    except ImportError:
-        result["triton"] = None
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = dict(**environment(cuda, draft=None if args.smoke else args.draft), smoke=args.smoke,
+                                  budget_seconds=args.budget_seconds)
     for part, skip, fn in (("projection", args.skip_projection, lambda: run_projection(args, result)),
                            ("e2e", args.skip_e2e, lambda: run_e2e(args, started + args.budget_seconds - 10, result))):
         if skip:
@@ -722,9 +637,9 @@ def main() -> None:
         except Exception:  # record and go on: the other part is still worth having
             result[f"{part}_error"] = traceback.format_exc()
             log(f"{part} FAILED:\n{result[f'{part}_error']}")
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_json(args.out, result)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_json(args.out, result)
     print(f"\n{result['device']}, torch {result['torch']}, transformers {result['transformers']}, triton {result['triton']}, "
           f"{result['date']}, {result['seconds']} s; JSON: {args.out}\n")
     print(tables(result))

@@ -43,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from dominospec.bench import apply_sets
+
 STAGES = ("prepare", "regenerate", "train", "export", "evaluate")
 DONE = {  # stage -> the file it writes last (under paths.metrics, or the export dir)
     "prepare": "prepare.json",
@@ -104,12 +106,7 @@ def recipe_params(args: argparse.Namespace, work: Path) -> Path:
     raw["paths"] = {key: str((work / value).resolve()) for key, value in raw["paths"].items()}
     raw["mlflow"]["tracking_uri"] = f"sqlite:///{(work / 'mlflow.db').resolve()}"
     raw["mlflow"]["artifact_location"] = str((work / "mlartifacts").resolve())
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        if section not in raw or name not in raw[section]:
-            raise SystemExit(f"--set {item}: no params key {key}")
-        raw[section][name] = yaml.safe_load(value)
+    apply_sets(raw, args.set)
     path = work / "recipe-params.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     return path
@@ -126,7 +123,7 @@ def run(args: argparse.Namespace) -> None:
 
     from dominospec.config import load_params
     from dominospec.data.prepare import prepare
-    from dominospec.data.regenerate import regenerate
+    from dominospec.regenerate.stage import regenerate
     from dominospec.eval.stage import evaluate
     from dominospec.export.stage import export
     from dominospec.train.stage import train

@@ -36,94 +36,33 @@ The exit status is 1 if any check fails. Prints a markdown table last; --out wri
         [--shapes qwen3-8b|smollm2] [--tree-width 4]
     python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
 
-Needs only torch and triton (the repo's kernels/ is imported from the checkout if dominospec is
-not installed).
+Needs torch, triton, transformers and the dominospec package installed (`pip install --no-deps .`
+is enough: it uses dominospec.kernels and dominospec.bench).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib.util
-import json
 import os
-import platform
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-QWEN3_8B = dict(vocab=151936, hidden=4096, gru=1024, rank=256, num_draft=15, prefix=1, pool=2048)
-SMOLLM2 = dict(vocab=49152, hidden=576, gru=256, rank=64, num_draft=7, prefix=1, pool=2048)
-SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2": SMOLLM2}
-SMOKE = dict(vocab=1000, hidden=64, gru=32, rank=16, num_draft=5, prefix=1, pool=64)
+from dominospec.bench import (HEAD_SHAPES, capture, environment, head_rollouts, median_ms, parser, pool_ids,
+                              random_head, require_cuda, write_json)
+
+SHAPES = {name: s for name, s in HEAD_SHAPES.items() if name != "smoke"}
 HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def import_kernels():
-    """dominospec.kernels from the install, else straight from this checkout's kernels/ folder."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        import dominospec.kernels  # noqa: F401
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(repo / "src"))  # dominospec/__init__ imports nothing
-        spec = importlib.util.spec_from_file_location("dominospec.kernels", repo / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(repo / "kernels")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dominospec.kernels"] = module
-        spec.loader.exec_module(module)
+    """dominospec.kernels.head_rollout (imported late: --smoke sets TRITON_INTERPRET before triton loads)."""
     import dominospec.kernels.head_rollout as head_rollout
-    import dominospec.kernels.pool_select  # noqa: F401  (rollouts() and run() import it by name)
 
     return head_rollout
 
 
-def random_head(s: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
-    """Random weights and one block's inputs; the correction is as large as the base logits, so it changes tokens."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    V, H, G, r, K = s["vocab"], s["hidden"], s["gru"], s["rank"], s["num_draft"]
-
-    def randn(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
-
-    return dict(embed=randn(V, H, std=0.02), w_ih=randn(3 * G, H, std=1 / H ** 0.5 * 25),
-                w_hh=randn(3 * G, G, std=1 / G ** 0.5), w1=randn(r, H + G, std=1 / (H + G) ** 0.5 * 2),
-                w2=randn(V, r, std=2 / r ** 0.5), z=randn(K, H), base=randn(K, V),
-                x_start=torch.tensor([17], device=device))
-
-
-def pool_ids(base: torch.Tensor, first: int, size: int) -> torch.Tensor:
-    """SGLang's pool as the torch path selects it (engine.rollout.candidate_pool): top-M of the max over the
-    corrected rows' base logits, in no order."""
-    return torch.topk(base[first:].max(dim=0).values, size, sorted=False).indices
-
-
-def rollouts(hr, w: dict, s: dict, block_v: int, table_budget: int, plan: dict | None = None) -> dict:
-    """Path name -> a no-argument function returning (tokens [K], scored logits or None); no host sync inside."""
-    P = s["prefix"]
-    args = (w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], P)
-    with_table = hr.head_weights(*args, table_budget_bytes=table_budget)
-    no_table = hr.head_weights(*args, table_budget_bytes=0)
-    from dominospec.kernels.pool_select import pool_select, pool_workspace
-
-    pool_ws = pool_workspace(s["vocab"], s["pool"], w["base"].dtype, w["base"].device)  # static buffers
-
-    def torch_full():
-        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"])
-
-    def torch_pool():
-        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"], pool_ids(w["base"], P, s["pool"]))
-
-    def triton(weights, pool):
-        def run():
-            ids = pool_select(w["base"], P, s["pool"], pool_ws) if pool else None  # fused, ids ascending
-            return hr.head_rollout(weights, w["z"], w["base"], w["x_start"], ids, block_v=block_v,
-                                   **(plan or {})).tokens, None
-        return run
-
-    return {"torch": torch_full, "pool torch": torch_pool, "triton": triton(with_table, False),
-            "triton, GEMV GRU": triton(no_table, False), "pool triton": triton(with_table, True)}
+def device_ms(fn, reps: int, cuda: bool) -> float:
+    """Median ms of fn() after up to 10 warm-ups: CUDA events per call on the GPU, wall time on the CPU."""
+    return median_ms(fn, reps, cuda, warmup=min(reps, 10), events=True)
 
 
 def torch_chain(hr, w: dict, s: dict, ids: torch.Tensor):
@@ -147,40 +86,6 @@ def selection_checks(w: dict, s: dict, label: str) -> tuple[torch.Tensor, list[d
                       margin=None, ok=exact),
                  dict(check=f"{label} fused pool set vs torch.topk's (M-th value tied: {tied})", equal=same_set,
                       first_divergence=None, margin=None, ok=same_set or tied)]
-
-
-def capture(fn):
-    """fn -> (replay, static outputs): fn captured in one CUDA graph after warm-up (compiles, cuBLAS handles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
-def median_ms(fn, reps: int, cuda: bool) -> float:
-    """Median wall time of fn() in ms (CUDA events per call on the GPU)."""
-    for _ in range(min(reps, 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
 
 
 def compare(ref_tokens, ref_scored, pool, tokens, rel_margin: float) -> dict:
@@ -209,13 +114,13 @@ def run(args) -> dict:
     hr = import_kernels()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    s = SMOKE if args.smoke else SHAPES[args.shapes]
+    s = HEAD_SHAPES["smoke"] if args.smoke else SHAPES[args.shapes]
     budget = int(args.table_budget_gb * 2 ** 30)
     rows, checks = [], []
 
     # fp32 correctness, untimed: Triton (eager, and graph'd on the GPU) vs eager torch (the pool: the same ids)
     w32 = random_head(s, torch.float32, device)
-    paths = rollouts(hr, w32, s, args.block_v, budget)
+    paths = head_rollouts(w32, s, args.block_v, budget)
     ids32, pool_checks = selection_checks(w32, s, "fp32")
     checks += pool_checks
     ref_full, ref_pool = paths["torch"](), torch_chain(hr, w32, s, ids32)
@@ -232,12 +137,12 @@ def run(args) -> dict:
 
     # bf16 timing: each path eager and (on the GPU) graph'd
     w = random_head(s, torch.bfloat16, device)
-    paths = rollouts(hr, w, s, args.block_v, budget)
+    paths = head_rollouts(w, s, args.block_v, budget)
     ids16, pool_checks = selection_checks(w, s, "bf16")
     checks += pool_checks
     eager = {name: fn() for name, fn in paths.items()}
     for name, fn in paths.items():
-        rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, args.reps, cuda)))
+        rows.append(dict(path=f"{name} (eager)", ms=device_ms(fn, args.reps, cuda)))
         if not cuda:
             continue
         replay, out = capture(fn)
@@ -245,7 +150,7 @@ def run(args) -> dict:
         torch.cuda.synchronize()
         checks.append(dict(check=f"bf16 {name} + graph vs its eager run",
                            **compare(eager[name][0], None, None, out[0], 0.0)))
-        rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
+        rows.append(dict(path=f"{name} + graph", ms=device_ms(replay, args.reps, cuda)))
     # the pool's selection alone, as the pool paths run it: torch (max over rows, topk) and the fused kernels
     from dominospec.kernels.pool_select import pool_select, pool_workspace
 
@@ -259,7 +164,7 @@ def run(args) -> dict:
     }
     for name, fn in selections.items():
         if not cuda:  # the smoke run: eager, on the interpreter
-            rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, args.reps, cuda)))
+            rows.append(dict(path=f"{name} (eager)", ms=device_ms(fn, args.reps, cuda)))
             continue
         replay, out = capture(fn)
         replay()
@@ -268,7 +173,7 @@ def run(args) -> dict:
             same = torch.equal(out[0], ids16)
             checks.append(dict(check="bf16 fused pool selection + graph vs its eager run", equal=same,
                                first_divergence=None, margin=None, ok=same))
-        rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, args.reps, cuda)))
+        rows.append(dict(path=f"{name} + graph", ms=device_ms(replay, args.reps, cuda)))
     if args.tree_width:
         tree_rows, tree_checks = trees(hr, w, s, budget, args.tree_width, args.reps, cuda)
         rows += tree_rows
@@ -286,10 +191,7 @@ def run(args) -> dict:
     per_step_gemv = 2 * (V * r + V + 3 * G * G + 3 * G * H + (H + G) * r)
     per_step_table = 2 * (V * r + V + 3 * G * G + 3 * G + G * r)
     return dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
-        device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        torch=torch.__version__, triton=__import__("triton").__version__, cuda=torch.version.cuda,
-        shapes=dict(s, corrected_steps=K - P, dtype="bfloat16", batch=1), block_v=args.block_v,
+        **environment(cuda), smoke=args.smoke, shapes=dict(s, corrected_steps=K - P, dtype="bfloat16", batch=1), block_v=args.block_v,
         gru_table=V * 3 * G * 2 <= budget, reps=args.reps,
         memory_floor_ms=dict(gemv_gru=per_step_gemv * (K - P) / HBM_BYTES_PER_S * 1e3,
                              table_gru=per_step_table * (K - P) / HBM_BYTES_PER_S * 1e3,
@@ -332,7 +234,7 @@ def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) 
                                first_divergence=None, margin=None, ok=same))
             continue
         for name, fn in ((f"tree W={width} torch", reference), (f"tree W={width} pool triton", fused)):
-            rows.append(dict(path=f"{name} (eager)", ms=median_ms(fn, reps, cuda)))
+            rows.append(dict(path=f"{name} (eager)", ms=device_ms(fn, reps, cuda)))
             if not cuda:
                 continue
             replay, out = capture(fn)
@@ -342,7 +244,7 @@ def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) 
                 same = torch.equal(out, eager)
                 checks.append(dict(check=f"bf16 {name} + graph vs its eager run", equal=same,
                                    first_divergence=None, margin=None, ok=same))
-            rows.append(dict(path=f"{name} + graph", ms=median_ms(replay, reps, cuda)))
+            rows.append(dict(path=f"{name} + graph", ms=device_ms(replay, reps, cuda)))
     return rows, checks
 
 
@@ -365,7 +267,7 @@ def kernel_profile(hr, w: dict, s: dict, budget: int, runs: int = 10) -> list[di
     out = []
     for vocab, plan in PROFILED:
         plan = dict(plan)
-        fn = rollouts(hr, w, s, plan.pop("block_v", None), budget, plan)["triton" if vocab == "full" else "pool triton"]
+        fn = head_rollouts(w, s, plan.pop("block_v", None), budget, plan)["triton" if vocab == "full" else "pool triton"]
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -393,18 +295,18 @@ def plan_sweep(hr, w: dict, s: dict, budget: int, args) -> list[dict]:
     import itertools
 
     out = []
-    default = {name: rollouts(hr, w, s, None, budget)[name]()[0] for name in ("triton", "pool triton")}
+    default = {name: head_rollouts(w, s, None, budget)[name]()[0] for name in ("triton", "pool triton")}
     for vocab, grid in SWEEP.items():
         name = "triton" if vocab == "full" else "pool triton"
         for values in itertools.product(*grid.values()):
             plan = dict(zip(grid, values))
             plan["score_programs"] = plan["score_programs"] or 1 << 30
-            fn = rollouts(hr, w, s, plan.pop("block_v"), budget, plan)[name]
+            fn = head_rollouts(w, s, plan.pop("block_v"), budget, plan)[name]
             replay, res = capture(fn)
             replay()
             torch.cuda.synchronize()
             same = res[0].tolist() == default[name].tolist()
-            out.append(dict(vocab=vocab, block_v=values[0], **plan, ms=median_ms(replay, max(50, args.reps // 4), True),
+            out.append(dict(vocab=vocab, block_v=values[0], **plan, ms=device_ms(replay, max(50, args.reps // 4), True),
                             same_tokens=same))
         best = sorted((r for r in out if r["vocab"] == vocab), key=lambda r: r["ms"])[:5]
         print(f"sweep {vocab}: best 5: " + "; ".join(f"{r['ms']:.3f} ms {r}" for r in best), flush=True)
@@ -427,29 +329,28 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON result path")
-    parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--block-v", type=int, default=None, help="W2 kernel columns per program (default: scoring_blocks)")
-    parser.add_argument("--table-budget-gb", type=float, default=2.0, help="GRU [V, 3G] table when it fits")
-    parser.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (GPU)")
-    parser.add_argument("--profile", action="store_true", help="also time each kernel of the plans in PROFILED (GPU)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="the head's shapes (not --smoke)")
-    parser.add_argument("--tree-width", type=int, default=4, help="branches of the tree rows; 0 = none")
-    args = parser.parse_args()
+    p = parser(__doc__, params=None)
+    p.add_argument("--out", required=True, help="JSON result path")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--block-v", type=int, default=None, help="W2 kernel columns per program (default: scoring_blocks)")
+    p.add_argument("--table-budget-gb", type=float, default=2.0, help="GRU [V, 3G] table when it fits")
+    p.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (GPU)")
+    p.add_argument("--profile", action="store_true", help="also time each kernel of the plans in PROFILED (GPU)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="the head's shapes (not --smoke)")
+    p.add_argument("--tree-width", type=int, default=4, help="branches of the tree rows; 0 = none")
+    args = p.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         args.reps = min(args.reps, 3)
-    elif not torch.cuda.is_available():
-        sys.exit("error: no CUDA device (use --smoke on CPU)")
+    else:
+        require_cuda()
     result = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
           f"shapes {result['shapes']}; JSON: {args.out}\n")
     print(table(result))
-    sys.exit(0 if result["ok"] else 1)
+    raise SystemExit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

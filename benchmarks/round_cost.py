@@ -22,60 +22,38 @@ then the measured verify cost by rows (engine.cost) for each side.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import datetime
-import platform
-import sys
 
 import torch
+
+from dominospec.bench import device_name, interleaved, load_draft, load_target, parser, setup, suites, warm_up
 
 TAUS = (1.5, 2.0, 3.0)
 
 
-def random_draft(params, target):
-    """The default draft architecture (params `draft:`) with random weights, for `target`."""
-    from dominospec.cache.features import resolve_layer_ids
-    from dominospec.models.domino import DFlashDraftModel
-    from dominospec.train.build import draft_config
-
-    layer_ids = resolve_layer_ids(params.cache, target.num_layers)
-    torch.manual_seed(0)
-    config = draft_config(params.draft, target, layer_ids, mask_token_id=16)
-    return DFlashDraftModel(config).to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
-
-
 def main() -> None:
-    from dominospec.config import load_params
-    from dominospec.engine import EngineOptions, SpecEngine, draft_dir, load_draft, pack_linears
+    from dominospec.engine import EngineOptions, SpecEngine, pack_linears
     from dominospec.engine.attention import use_grouped_sdpa
-    from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import pooled
-    from dominospec.target import load_target
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--draft", help="draft dir (default: the export, else checkpoints/final)")
-    parser.add_argument("--random-draft", action="store_true", help="random weights, default architecture")
-    parser.add_argument("--k", default="7,3", help="drafts verified per round (ints or auto), comma-separated")
-    parser.add_argument("--sides", default="before,after")
-    parser.add_argument("--pool", type=int, help="candidate pool of the after side (default: engine.candidate_pool)")
-    parser.add_argument("--suite", default="sharegpt")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--ngram", action="store_true", help="also run the ngram mode on each side")
-    args = parser.parse_args()
+    p = parser(__doc__, threads=2, prompts=4, new_tokens=64)
+    p.add_argument("--draft", help="draft dir (default: the export, else checkpoints/final)")
+    p.add_argument("--random-draft", action="store_true", help="random weights, default architecture")
+    p.add_argument("--k", default="7,3", help="drafts verified per round (ints or auto), comma-separated")
+    p.add_argument("--sides", default="before,after")
+    p.add_argument("--pool", type=int, help="candidate pool of the after side (default: engine.candidate_pool)")
+    p.add_argument("--suite", default="sharegpt")
+    p.add_argument("--ngram", action="store_true", help="also run the ngram mode on each side")
+    args = p.parse_args()
 
-    params = load_params(args.params)
-    torch.set_num_threads(args.threads)
+    params = setup(args)
     sides = args.sides.split(",")
     pool = params.engine.candidate_pool if args.pool is None else args.pool
     engines, targets = {}, {}
     for side in sides:
-        target = load_target(params.target)
+        target = load_target(params)
         targets[side] = target
-        draft = random_draft(params, target) if args.random_draft else load_draft(args.draft or draft_dir(params.paths), target)
+        draft = load_draft(params, target, args.draft, random=args.random_draft)
         if side == "after":
             pack_linears(target.model)
             use_grouped_sdpa(target.model)
@@ -89,18 +67,12 @@ def main() -> None:
             num_draft = k if k == "auto" else int(k)
             engines[f"{side} domino K={k}"] = SpecEngine(target, draft, "domino", num_draft, options)
         engines[f"{side} dflash K={draft.config.block_size - 1}"] = SpecEngine(target, draft, "dflash", None, options)
-    tokenizer = targets[sides[0]].tokenizer
-    suite = load_suite(args.suite, tokenizer, params.paths.prepared, args.prompts, 1024)
-    for engine in engines.values():  # warm-up: allocations, kernel choice, auto-K's cost measurement
-        engine.generate(suite.prompts[0], 8)
-    runs = {name: [] for name in engines}
-    for i, prompt in enumerate(suite.prompts):
-        for name, engine in engines.items():
-            runs[name].append(engine.generate(prompt, args.new_tokens))
-        print(f"prompt {i + 1}/{len(suite.prompts)} done", file=sys.stderr, flush=True)
+    suite = next(suites(params, targets[sides[0]].tokenizer, args.prompts, [args.suite], 1024))
+    warm_up(engines, suite.prompts[0])  # allocations, kernel choice, auto-K's cost measurement
+    runs = interleaved(engines, suite.prompts, args.new_tokens)
 
     B = params.draft.block_size
-    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    print(f"\n{datetime.date.today()}, {device_name(False)}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, target {params.target.dtype}, draft {'random' if args.random_draft else 'trained'}"
           f", suite {args.suite}: {len(suite.prompts)} prompts x <= {args.new_tokens} tokens, B = {B}, greedy, pool {pool}")
     taus = " / ".join(f"τ={t}" for t in TAUS)

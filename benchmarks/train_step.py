@@ -28,14 +28,14 @@ and V' (the loss vocabulary's size), then one markdown table.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from dominospec.bench import device_name, load_target, new_draft, parser, setup
 
 PHASES = ("blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
 
@@ -80,15 +80,12 @@ def build(params, target, layer_ids, vocab, objective="full", layers=None, ancho
     """A fresh default draft + DraftLitModule (+ AdamW) on `target`; vocab None = full softmax."""
     import dataclasses
 
-    from dominospec.models.domino import DFlashDraftModel
-    from dominospec.train.build import draft_config
     from dominospec.train.module import DraftLitModule
 
-    torch.manual_seed(0)
     draft_p = dataclasses.replace(params.draft, num_layers=layers or params.draft.num_layers)
     train_p = dataclasses.replace(params.train, loss_vocab="sampled" if objective == "sampled" else "full",
                                   num_anchors=anchors or params.train.num_anchors)
-    draft = DFlashDraftModel(draft_config(draft_p, target, layer_ids, mask_token_id=16))
+    draft = new_draft(params, target, draft_p)
     module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, train_p, layer_ids=layer_ids,
                             loss_vocab=vocab)
     return module, torch.optim.AdamW(draft.parameters(), lr=params.train.lr)
@@ -155,22 +152,17 @@ def step(module, optimizer, batch, timer: Timer, generator, reference: bool = Fa
 
 def main() -> None:
     from dominospec.cache.features import resolve_layer_ids
-    from dominospec.config import load_params
-    from dominospec.target import load_target
     from dominospec.train.datamodule import StepBatchSampler, collate
     from dominospec.train.objective import loss_vocabulary
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--conversations", type=int, help="train sequences (default: cache.max_train_conversations)")
-    parser.add_argument("--variants", default="reference,full,data,sampled/b16")
-    args = parser.parse_args()
+    p = parser(__doc__, threads=2)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--conversations", type=int, help="train sequences (default: cache.max_train_conversations)")
+    p.add_argument("--variants", default="reference,full,data,sampled/b16")
+    args = p.parse_args()
 
-    torch.set_num_threads(args.threads)
-    params = load_params(args.params)
-    target = load_target(params.target, device=torch.device("cpu"))
+    params = setup(args)
+    target = load_target(params, device=torch.device("cpu"))
     layer_ids = resolve_layer_ids(params.cache, target.num_layers)
     sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
     vocab = loss_vocabulary(sequences)
@@ -193,7 +185,7 @@ def main() -> None:
             module, optimizer = setups[v]
             step(module, optimizer, batch, timer, torch.Generator().manual_seed(i), reference=objective == "reference")
 
-    print(f"{datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__} "
+    print(f"{datetime.date.today()} {device_name(False)} torch {torch.__version__} "
           f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}, "
           f"{params.train.loss_negatives} sampled negatives; B={params.draft.block_size}, {args.steps} steps")
     print("\n| objective | sequences | anchors | layers | batches | " + " | ".join(f"{p} ms" for p in PHASES)

@@ -19,32 +19,15 @@ ops that take the most host and device time. The last thing printed is a markdow
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def random_target(device: torch.device):
-    """A frozen Llama with SmolLM2-135M's shapes and random weights, as a dominospec Target."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dominospec.target import Target, TargetIdentity
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device).eval().requires_grad_(False)
-    identity = TargetIdentity(name="random-smollm2-135m", revision=None, sha256=None, dtype="float32",
-                              num_layers=30, hidden_size=576, vocab_size=49152)
-    return Target(model=model, tokenizer=None, identity=identity, device=device)
+from dominospec.bench import (SMOLLM2_135M, environment, load_target, new_draft, params_with, parser, random_target,
+                              write_json)
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -86,24 +69,6 @@ class StepClock:
     def seconds_per_step(self) -> float:
         t = self.times[self.skip:]
         return (t[-1] - t[0]) / max(1, len(t) - 1)
-
-
-def apply(path: str, overrides: dict[str, str]):
-    """The params file + {dotted key: yaml value} -> Params, type-checked by the loader."""
-    import tempfile
-
-    import yaml
-
-    from dominospec.config import load_params
-
-    doc = yaml.safe_load(Path(path).read_text())
-    for key, value in overrides.items():
-        if key not in KNOBS:
-            section, name = key.split(".", 1)
-            doc[section][name] = yaml.safe_load(value)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(doc, f)
-    return load_params(f.name)
 
 
 KNOBS = ("chunk_rows", "cudnn", "pad")  # variant keys that are not params (see `knobs`)
@@ -148,15 +113,11 @@ def run_variant(params, target, steps: int, skip: int, overrides: dict[str, str]
     """Train `steps` steps of the real loop on random sequences -> timings."""
     import lightning as L
 
-    from dominospec.cache.features import resolve_layer_ids
-    from dominospec.models.domino import DFlashDraftModel
-    from dominospec.train.build import draft_config
     from dominospec.train.datamodule import StepBatchSampler
     from dominospec.train.module import DraftLitModule
 
-    layer_ids = resolve_layer_ids(params.cache, target.num_layers)
-    torch.manual_seed(0)
-    draft = DFlashDraftModel(draft_config(params.draft, target, layer_ids, mask_token_id=16))
+    draft = new_draft(params, target)
+    layer_ids = list(draft.config.target_layer_ids)
     module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
                             online_target=target.model, layer_ids=layer_ids)
     data = Sequences(512, target.identity.vocab_size)
@@ -218,34 +179,31 @@ def profile(module, params, overrides: dict[str, str], steps: int = 4) -> None:
 
 
 def main() -> None:
+    from transformers import LlamaConfig
+
     from dominospec.config import load_params
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params/smollm2-h200.yaml")
-    parser.add_argument("--steps", type=int, default=40, help="steps per variant, the first --skip untimed")
-    parser.add_argument("--skip", type=int, default=5)
-    parser.add_argument("--variants", default="preset")
-    parser.add_argument("--gguf-dir", help="load the real target from this dir (default: random weights)")
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--out")
-    args = parser.parse_args()
+    p = parser(__doc__, params="params/smollm2-h200.yaml")
+    p.add_argument("--steps", type=int, default=40, help="steps per variant, the first --skip untimed")
+    p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--variants", default="preset")
+    p.add_argument("--gguf-dir", help="load the real target from this dir (default: random weights)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
 
     base = load_params(args.params)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.gguf_dir:
-        import dataclasses
-
-        from dominospec.target import load_target
-
-        target = load_target(dataclasses.replace(base.target, model=args.gguf_dir), device=device)
+        target = load_target(base, args.gguf_dir, device=device)
     else:
-        target = random_target(device)
+        target = random_target(LlamaConfig(**SMOLLM2_135M), device=device, name="random-smollm2-135m")
     rows = []
     first = None
     for spec in args.variants.split(";"):
         name, _, assignments = spec.partition(":")
         overrides = dict(a.split("=", 1) for a in assignments.split(",") if a)
-        params = apply(args.params, overrides)
+        params = params_with(args.params, [f"{k}={v}" for k, v in overrides.items() if k not in KNOBS])
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         result = run_variant(params, target, args.steps, args.skip, overrides)
@@ -256,10 +214,9 @@ def main() -> None:
     if args.profile and first is not None:
         module, params, overrides = first
         profile(module, params, overrides)
-    info = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-            else "cpu", "torch": torch.__version__, "params": args.params, "rows": rows}
+    info = {**environment(), "params": args.params, "rows": rows}
     if args.out:
-        Path(args.out).write_text(json.dumps(info, indent=1))
+        write_json(args.out, info)
     print(f"\n{info['date']} {info['device']} torch {info['torch']}; {args.params}; {args.steps} steps, "
           f"first {args.skip} untimed")
     print("| variant | overrides | step ms | blocks/step | blocks/s | peak GiB |\n|---|---|---|---|---|---|")

@@ -19,43 +19,33 @@ Prints a markdown table per suite: mode, verify rows a round (the most), τ ± S
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import platform
-import time
 from pathlib import Path
 
 import torch
 
+from dominospec.bench import environment, interleaved, load_draft, load_target, parser, setup, suites, warm_up, write_json
+
 
 def main() -> None:
-    from dominospec.config import load_params
-    from dominospec.engine import Sampling, SpecEngine, load_draft
+    from dominospec.engine import Sampling, SpecEngine
     from dominospec.engine.configure import engine_options, prepare_target
-    from dominospec.files import sha256_file
-    from dominospec.eval.prompts import load_suite
     from dominospec.eval.report import speedup_standard_error, tau_standard_error
     from dominospec.eval.stage import calibrate_together
-    from dominospec.target import float32_matmul, load_target
+    from dominospec.target import float32_matmul
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--draft", required=True, help="a trained draft with the Domino head (HF layout)")
-    parser.add_argument("--prompts", type=int, default=16, help="per suite")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--width", type=int, default=4, help="the first-token tree's W")
-    parser.add_argument("--nodes", type=int, default=None, help="DominoTree's N (default W·K: the same rows)")
-    parser.add_argument("--children", type=int, default=4, help="DominoTree's children per expansion")
-    parser.add_argument("--temperature", type=float, default=0.7, help="the sampled pass (0: none)")
-    parser.add_argument("--num-draft", default=None, help="auto: auto-K / auto-budget (default: fixed K = B - 1, all N nodes)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="write the per-mode numbers here (JSON)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    params = load_params(args.params)
-    target = load_target(params.target)
-    draft = load_draft(args.draft, target)
+    p = parser(__doc__, threads=2, prompts=16, new_tokens=128)
+    p.add_argument("--draft", required=True, help="a trained draft with the Domino head (HF layout)")
+    p.add_argument("--width", type=int, default=4, help="the first-token tree's W")
+    p.add_argument("--nodes", type=int, default=None, help="DominoTree's N (default W·K: the same rows)")
+    p.add_argument("--children", type=int, default=4, help="DominoTree's children per expansion")
+    p.add_argument("--temperature", type=float, default=0.7, help="the sampled pass (0: none)")
+    p.add_argument("--num-draft", default=None, help="auto: auto-K / auto-budget (default: fixed K = B - 1, all N nodes)")
+    p.add_argument("--out", default=None, help="write the per-mode numbers here (JSON)")
+    args = p.parse_args()
+    params = setup(args)
+    target = load_target(params)
+    draft = load_draft(params, target, args.draft)
     linear = prepare_target(target, params.engine)
     base = dataclasses.replace(engine_options(params.engine, linear), ngram_assist=False, ngram_fork=False,
                                tree_width=1)
@@ -76,20 +66,14 @@ def main() -> None:
     results = []
     print("| suite | sampling | mode | verify rows | τ ± SE | exact | × AR ± SE |\n|---|---|---|---|---|---|---|", flush=True)
     with float32_matmul("highest"), torch.inference_mode():
-        for spec in params.evaluate.suites:
-            suite = load_suite(spec, target.tokenizer, params.paths.prepared, args.prompts,
-                               params.evaluate.max_prompt_tokens)
+        for suite in suites(params, target.tokenizer, args.prompts):
             if k == "auto" and engines["chain"].cost is None:  # one measurement of the machine for every mode
                 calibrate_together(engines, "chain", suite.prompts[0])
-            for name, engine in engines.items():  # warm-up: first calls allocate and pick kernels
-                engine.generate(suite.prompts[0], 8)
+            warm_up(engines, suite.prompts[0])  # first calls allocate and pick kernels
             for label, sampling in passes:
                 modes = engines if sampling.greedy else {m: e for m, e in engines.items() if "first-token" not in m}
-                runs = {m: [] for m in modes}
-                for i, prompt in enumerate(suite.prompts):
-                    for m, engine in modes.items():
-                        runs[m].append(engine.generate(prompt, args.new_tokens, sampling, seed=params.evaluate.seed + i))
-                    print(f"[{suite.name} {label} {i + 1}/{len(suite.prompts)}]", flush=True)
+                runs = interleaved(modes, suite.prompts, args.new_tokens, sampling, params.evaluate.seed,
+                                   f"{suite.name} {label}")
                 for m, gens in runs.items():
                     tau = sum(g.stats.round_tokens for g in gens) / sum(g.stats.rounds for g in gens)
                     tok_s = sum(g.stats.new_tokens for g in gens) / sum(g.stats.total_s for g in gens)
@@ -104,13 +88,9 @@ def main() -> None:
                     print(f"| {suite.name} | {label} | {m} | {rows[m]} | {tau:.3f} ± {row['tau_se'] or 0:.3f} | "
                           f"{'-' if exact is None else f'{exact:.2f}'} | {row['over_ar']:.2f} ± {row['over_ar_se'] or 0:.2f} |",
                           flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            record = {**vars(args), "draft": Path(args.draft).name}  # the draft by name and weights, not by where it lay
-            json.dump({"results": results, "args": record, "draft_sha256": sha256_file(Path(args.draft) / "model.safetensors"),
-                       "date": time.strftime("%Y-%m-%d"),
-                       "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads()}, f, indent=1)
+    if args.out:  # the draft by name and weights, not by where it lay
+        record = {**vars(args), "draft": Path(args.draft).name}
+        write_json(args.out, {"results": results, "args": record, **environment(False, draft=args.draft)})
 
 
 if __name__ == "__main__":

@@ -17,15 +17,12 @@ Prints a markdown table last: ms per verify, and the same in AR steps of that ru
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
+
+from dominospec.bench import environment, load_target, parser, random_model, setup, write_json
 
 
 def tree_lengths(T: int) -> list[int]:
@@ -73,16 +70,15 @@ def time_runner(kv, vocab: int, context: int, rows: list[int], reps: int, cuda: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny random Llama")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--gguf-dir")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--rows", default="1,2,4,8,16,32,48,64")
-    parser.add_argument("--reps", type=int, default=50)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU, a tiny random Llama")
+    p.add_argument("--gguf-dir")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rows", default="1,2,4,8,16,32,48,64")
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     cuda = torch.cuda.is_available() and not args.smoke
     from dominospec.engine.lean_decoder import lean_decoder
@@ -90,27 +86,19 @@ def main() -> None:
     from dominospec.engine.target_kv import StaticTargetKV
 
     if args.smoke:
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers import LlamaConfig
 
         config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+        model = random_model(config)
         args.context, args.reps, rows = 48, 3, [r for r in rows if r <= 16]
         name = "tiny random llama"
     else:
-        import dataclasses
-
-        from dominospec.config import load_params
-        from dominospec.target import load_target
-
-        params = load_params(args.params)
-        target = load_target(dataclasses.replace(params.target, model=args.gguf_dir, device="auto", dtype=args.dtype))
+        target = load_target(setup(args), args.gguf_dir, args.dtype)
         model, name = target.model, target.identity.name
     vocab = model.config.vocab_size
     capacity = args.context + max(rows) + 8
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv),
-                  device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-                  torch=torch.__version__, model=name, dtype=args.dtype if not args.smoke else "float32",
+    result = dict(**environment(cuda), model=name, dtype=args.dtype if not args.smoke else "float32",
                   context=args.context, runners={})
     with torch.inference_mode():
         runners = {"hf static": lambda: StaticTargetKV(model, [], capacity, max(rows), graphs=cuda),
@@ -118,7 +106,7 @@ def main() -> None:
         for label, make in runners.items():
             result["runners"][label] = time_runner(make(), vocab, args.context, rows, args.reps, cuda)
             print(f"{label}: {json.dumps(result['runners'][label])}", flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"\n{result['device']}, torch {result['torch']}, {name} {result['dtype']}, context {args.context}, "
           f"{result['date']}\n")
     print("| runner | " + " | ".join(f"T = {T}" for T in rows) + " |")
