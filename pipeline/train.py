@@ -2,7 +2,7 @@
 
 import sys
 
-from dominospec.cli import stage_main
+from dominospec.stages import stage_main
 
 if __name__ == "__main__":
     sys.exit(stage_main("train"))

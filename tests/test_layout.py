@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dominospec.cli import STAGES
+from dominospec.stages import STAGES
 from dominospec.config import Params, load_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +102,109 @@ def test_layers_point_down():
             elif dep.endswith(".stage") and not is_stage:
                 problems.append(f"library module {module} imports stage {dep}")
     assert not problems, problems
+
+
+# The library's subpackages (and top-level modules), bottom first: each imports only what sits below it
+# (or itself). Stages (`*.stage`, cli) obey it too; `dominospec` itself (the version) is below all.
+LAYERS = ["errors", "files", "config", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
+          "export", "serve", "eval", "retrain", "bench", "stages", "cli"]
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dominospec"
+
+
+def test_subpackages_import_only_the_layers_below():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    rank["dominospec"] = -1
+    graph = library_graph()
+    unknown = sorted({layer_of(m) for m in graph} - set(rank))
+    assert not unknown, f"place {unknown} in LAYERS"
+    upward = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps
+                    if rank[layer_of(d)] > rank[layer_of(m)])
+    assert not upward, upward
+
+
+def module_file(module: str):
+    """dominospec.a.b -> its source file (package dirs per pyproject's package-dir), or None (not ours)."""
+    parts = module.split(".")
+    if parts[0] != "dominospec":
+        return None
+    roots = {"models": REPO / "models", "kernels": REPO / "kernels"}
+    base = roots[parts[1]] if len(parts) > 1 and parts[1] in roots else None
+    path = base.joinpath(*parts[2:]) if base is not None else REPO.joinpath("src", *parts)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_files(path: Path) -> set:
+    """A source file -> the dominospec files its imports load (function-level ones included, and the
+    __init__ of every package on the way: importing a.b.c runs a/__init__ and a/b/__init__)."""
+    files = set()
+    for module in imported_modules(path):
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            found = module_file(".".join(parts[:i]))
+            if found is not None:
+                files.add(found)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):  # `from dominospec.x import name`: a module, or a name x loads lazily
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("dominospec"):
+            for alias in node.names:
+                target = module_file(f"{node.module}.{alias.name}") or module_file(lazy_exports(node.module).get(alias.name, ""))
+                if target is not None:
+                    files.add(target)
+    return files
+
+
+def lazy_exports(package: str) -> dict:
+    """A package whose __init__ loads names on first use (a `_EXPORTS = {name: module}` literal, PEP 562
+    `__getattr__`) -> that mapping; {} otherwise."""
+    init = module_file(package)
+    if init is None or init.name != "__init__.py":
+        return {}
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def stage_sources(script: Path, stage: str) -> set:
+    """A stage script -> every dominospec source file it loads, transitively (its stage function's
+    module, which dominospec.stages imports by name, included)."""
+    seen, todo = set(), [script, module_file(STAGES[stage].split(":")[0])]
+    while todo:
+        path = todo.pop()
+        for dep in imported_files(path) - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def uncovered_sources(name: str, stage: dict) -> list:
+    """A dvc.yaml stage -> the source files its script loads that none of its deps (a file or a folder) covers."""
+    script = REPO / stage["cmd"].split()[1]
+    deps = [REPO / d.split()[0] for d in stage["deps"] if not d.startswith("${")]
+    covered = lambda f: any(f == d or d in f.parents for d in deps)  # noqa: E731
+    return sorted(str(f.relative_to(REPO)) for f in stage_sources(script, name) if not covered(f))
+
+
+def test_every_stage_lists_the_code_it_runs_in_its_deps():
+    """A change to any module a stage imports (transitively) must make `dvc repro` re-run it."""
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    missing = {name: uncovered_sources(name, stage) for name, stage in dvc["stages"].items()}
+    assert not {name: files for name, files in missing.items() if files}, missing
+
+
+def test_the_deps_check_sees_a_missing_module(tmp_path):
+    """The check can fail: evaluate without its engine folder in deps leaves engine modules uncovered."""
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    stage = dict(dvc["stages"]["evaluate"])
+    stage["deps"] = [d for d in stage["deps"] if d != "src/dominospec/engine"]
+    assert "src/dominospec/engine/spec.py" in uncovered_sources("evaluate", stage)
 
 
 def test_every_dvc_stage_has_script_params_section_and_cli_command():

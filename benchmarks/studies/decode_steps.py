@@ -24,8 +24,8 @@ from dominospec.bench import SMOLLM2_135M, device_name, parser, random_model, sy
 def main() -> None:
     from transformers import LlamaConfig
 
-    from dominospec.data.decoder import DecodePolicy, ReplyStream
-    from dominospec.data.kv_batch import SlotKV, grouped_attention_on
+    from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
+    from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 
     p = parser(__doc__, params=None, new_tokens=64)
     p.add_argument("--slots", type=int, default=1024)

@@ -33,10 +33,10 @@ from dominospec.bench import load_target, parser, setup
 
 def main() -> None:
     from dominospec.data.dataset import read_dataset
-    from dominospec.data import kv_batch
-    from dominospec.data.regenerate import first_turns, length_sorted_chunks
+    from dominospec.regenerate import kv_batch
+    from dominospec.regenerate.stage import first_turns, length_sorted_chunks
     from dominospec.engine.packed import pack_linears
-    from dominospec.data.replies import rewrite_conversations
+    from dominospec.regenerate.replies import rewrite_conversations
     from dominospec.target import DTYPES
 
     p = parser(__doc__, threads=2)
@@ -98,9 +98,9 @@ def hf_generate_rewrite(target, conversations, cfg, max_length) -> int:
     from transformers import GenerationConfig
 
     from dominospec.data.chat import render_text
-    from dominospec.data.replies import stop_token_ids
+    from dominospec.engine.stops import stop_token_ids
 
-    tokenizer, stop_ids = target.tokenizer, stop_token_ids(target)
+    tokenizer, stop_ids = target.tokenizer, stop_token_ids(target.tokenizer, target.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     histories, cursor, active, total = [[] for _ in conversations], [0] * len(conversations), list(range(len(conversations))), 0
     while active:

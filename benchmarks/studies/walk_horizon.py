@@ -33,7 +33,8 @@ from dominospec.bench import load_draft, load_target, parser, setup
 def first_turns(prepared: str, split: str, limit: int, tokenizer, max_prompt_tokens: int) -> list[list[int]]:
     """A prepared split -> the rendered first user turn of its first conversations, at most `limit`
     (as evaluate's `sharegpt` suite renders the test split's)."""
-    from dominospec.eval.prompts import render, sharegpt_conversations
+    from dominospec.data.chat import render_prompt as render
+    from dominospec.eval.prompts import sharegpt_conversations
 
     prompts = []
     for messages in sharegpt_conversations(prepared, split):
@@ -47,11 +48,11 @@ def first_turns(prepared: str, split: str, limit: int, tokenizer, max_prompt_tok
 
 def answer_all(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Prompts -> the target's greedy answers (stop token excluded), decoded together in one batch."""
-    from dominospec.data.decoder import DecodePolicy, ReplyStream
-    from dominospec.data.kv_batch import SlotKV, grouped_attention_on
-    from dominospec.data.replies import stop_token_ids
+    from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
+    from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
+    from dominospec.engine.stops import stop_token_ids
 
-    stops = stop_token_ids(target)
+    stops = stop_token_ids(target.tokenizer, target.model)
     kv = SlotKV(target.num_layers, len(prompts), capacity=64, limit=max(map(len, prompts)) + new_tokens + 1,
                 device=target.device)
     stream = ReplyStream(target.model, kv, DecodePolicy(stop_ids=tuple(stops), pad_id=stops[0]))

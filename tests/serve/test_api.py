@@ -46,7 +46,7 @@ def test_ready_line_health_models_and_server_info(server, client):
 
 
 def test_chat_is_lossless(client, target, reference):
-    from dominospec.eval.prompts import render
+    from dominospec.data.chat import render_prompt as render
 
     for messages in CHATS:
         ids = render(target.tokenizer, messages)

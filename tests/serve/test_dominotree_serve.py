@@ -31,7 +31,7 @@ def server(tmp_path_factory):
 
 def test_greedy_chat_is_lossless_and_server_info_names_the_tree(server):
     from dominospec.config import load_params
-    from dominospec.eval.prompts import render
+    from dominospec.data.chat import render_prompt as render
     from dominospec.target import load_target
 
     target = load_target(load_params(server.params).target)

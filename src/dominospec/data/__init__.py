@@ -1,1 +1,1 @@
-"""Conversation data: reading sources, chat rendering with loss masks, the prepare and regenerate stages."""
+"""Conversation data: reading sources, chat rendering with loss masks, the prepared dataset and the prepare stage."""

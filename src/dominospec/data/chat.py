@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dominospec.data.conversations import ASSISTANT
+from dominospec.errors import UserError
 
 Messages = Sequence[dict[str, str]]
 
@@ -125,3 +126,12 @@ def _to_rendered(
         full_length=len(ids),
         token_ids_seen=np.unique(full),
     )
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Chat messages -> token ids of the chat template's rendering with the generation prompt: what
+    evaluate, `generate` and the built-in server feed the target."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the target's tokenizer has no chat template: prompts cannot be rendered as chat")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,21 +1,30 @@
-"""Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft or prompt lookup, and the AR baseline."""
+"""Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft or prompt lookup, and the AR baseline.
 
-from dominospec.engine.loading import check_draft_matches, draft_dir, load_draft
-from dominospec.engine.sampling import Sampling, accept_greedy, accept_sampled
-from dominospec.engine.packed import pack_linears
-from dominospec.engine.spec import MODES, SpecEngine
-from dominospec.engine.stats import Generation, GenerationStats
+The names below load on first use (PEP 562), so importing one engine module (regenerate's packed
+linears, export's loader) does not load the whole engine, the draft model and the kernels with it.
+"""
 
-__all__ = [
-    "MODES",
-    "Generation",
-    "GenerationStats",
-    "Sampling",
-    "SpecEngine",
-    "accept_greedy",
-    "accept_sampled",
-    "check_draft_matches",
-    "draft_dir",
-    "load_draft",
-    "pack_linears",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MODES": "dominospec.engine.spec",
+    "SpecEngine": "dominospec.engine.spec",
+    "Generation": "dominospec.engine.stats",
+    "GenerationStats": "dominospec.engine.stats",
+    "Sampling": "dominospec.engine.sampling",
+    "accept_greedy": "dominospec.engine.sampling",
+    "accept_sampled": "dominospec.engine.sampling",
+    "check_draft_matches": "dominospec.engine.loading",
+    "draft_dir": "dominospec.engine.loading",
+    "load_draft": "dominospec.engine.loading",
+    "pack_linears": "dominospec.engine.packed",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dominospec.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

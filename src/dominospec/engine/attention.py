@@ -15,6 +15,10 @@ float rounding against transformers' own one-row path. The AR baseline and the v
 both run it. Off CPU, and for what it does not cover (no mask over a longer cache, position
 biases, one query head per key/value head), it hands over to transformers' own `sdpa`.
 
+The grouped-head math lives here once: `gqa_sdpa` (many rows) and `gqa_one_query` (one row, a
+batched matmul per key/value head), which regenerate's slot-batched decoder (regenerate.kv_batch)
+uses too.
+
 `use_grouped_sdpa(model)` selects it for a model whose attention is `sdpa` (prepare_target does,
 for the one target every mode uses) -> whether it did.
 """
@@ -42,9 +46,35 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     if not _covers(query, key, attention_mask, causal, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
+    out = gqa_sdpa(query, key, value, attention_mask, scaling, causal, dropout)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+             scaling: Optional[float], causal: bool = False, dropout: float = 0.0) -> torch.Tensor:
+    """query [B, H, T, D], key/value [B, H_kv, S, D] (H a multiple of H_kv), mask [B, 1, T, S] or None
+    -> [B, H, T, D]: torch's SDPA mapping each query head to its key/value head in place (no repeat)."""
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                          is_causal=causal, enable_gqa=query.shape[1] > key.shape[1])
+
+
+def gqa_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """query [R, H, 1, d], key/value [R, kv, C, d] (contiguous), additive mask [R, 1, 1, C] -> [R, 1, H, d].
+
+    The G = H / kv query heads sharing a kv head are the rows of one batched matmul against the
+    cached keys (no repeat of K/V); on the CPU it is several times faster than torch's flash kernel
+    for one query (regenerate's batched decoder steps every slot with it)."""
+    rows, heads, _, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    grouped = query.reshape(rows * kv_heads, groups, dim)  # [R*kv, G, d]
+    mask = mask.expand(rows, kv_heads, 1, columns).reshape(rows * kv_heads, 1, columns)  # [R*kv, 1, C]
+    keys_t = key.reshape(rows * kv_heads, columns, dim).transpose(1, 2)  # [R*kv, d, C]
+    scores = torch.baddbmm(mask, grouped, keys_t, alpha=scaling)  # [R*kv, G, C]
+    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    out = torch.bmm(probs, value.reshape(rows * kv_heads, columns, dim))  # [R*kv, G, d]
+    return out.reshape(rows, 1, heads, dim)
 
 
 def _covers(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,

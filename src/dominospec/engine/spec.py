@@ -115,7 +115,7 @@ class SpecEngine:
         self.device = target.device
         self.dtype = target.embed_tokens.weight.dtype
         self.max_positions = int(self.model.config.max_position_embeddings)
-        self.stop_ids = stop_token_ids(target.tokenizer, self.model)
+        self.stop_ids = frozenset(stop_token_ids(target.tokenizer, self.model))
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.draft, self.num_draft, self.block_size, self.layer_ids = None, 0, 1, []
         self.head: Optional[DraftHead] = None  # how a block's drafts are proposed (engine.draft_head)

@@ -30,18 +30,14 @@ def end_of_turn_id(tokenizer: Any) -> Optional[int]:
     return first if first in special else None
 
 
-def stop_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
-    """Tokenizer + HF model -> the token ids that end a generation."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """Tokenizer + HF model -> the token ids that end a generation, each once, in this order: the
+    tokenizer's EOS, the model's generation EOS ids, the chat template's end-of-turn token. The
+    engine and regenerate's batched decoder stop on the same ids (regenerate pads with the first)."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if config_eos is not None:
-        ids.update(int(t) for t in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
-    turn = end_of_turn_id(tokenizer)
-    if turn is not None:
-        ids.add(int(turn))
-    return frozenset(ids)
+    candidates = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]),
+                  end_of_turn_id(tokenizer)]
+    return tuple(dict.fromkeys(int(t) for t in candidates if t is not None))
 
 
 def first_stop_token(tokens: Iterable[int], stop_ids: frozenset[int]) -> Optional[int]:

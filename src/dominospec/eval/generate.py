@@ -9,7 +9,7 @@ import torch
 from dominospec.config import Params
 from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
 from dominospec.engine.configure import prepare_target, sampling_from
-from dominospec.eval.prompts import render
+from dominospec.data.chat import render_prompt as render
 
 
 def generate(params: Params, prompt: str, mode: str) -> Generation:

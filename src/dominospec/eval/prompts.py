@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from dominospec.data.chat import render_prompt
 from dominospec.data.code_prompts import COMPLETE_FUNCTION
 from dominospec.errors import UserError
 
@@ -36,7 +37,7 @@ class Suite:
     """A named list of prompts, as chat messages and as their token ids, and how many were too long."""
 
     name: str
-    prompts: list[list[int]]  # prompts[i] = render(tokenizer, messages[i])
+    prompts: list[list[int]]  # prompts[i] = render_prompt(tokenizer, messages[i])
     skipped_too_long: int
     messages: list[Messages]
 
@@ -52,7 +53,7 @@ def load_suite(spec: str, tokenizer: Any, prepared_dir: str, max_prompts: int, m
     for messages in suite_conversations(spec, prepared_dir):
         if len(prompts) == max_prompts:
             break
-        ids = render(tokenizer, messages)
+        ids = render_prompt(tokenizer, messages)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
@@ -70,14 +71,6 @@ def suite_conversations(spec: str, prepared_dir: str) -> Iterable[Messages]:
     if spec.endswith(".jsonl"):
         return jsonl_conversations(Path(spec))
     raise UserError(f"evaluate.suites: unknown suite {spec!r}: use sharegpt, humaneval or a path ending in .jsonl")
-
-
-def render(tokenizer: Any, messages: Messages) -> list[int]:
-    """Chat messages -> token ids of the chat template's rendering with the generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the target's tokenizer has no chat template: prompts cannot be rendered as chat")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def sharegpt_conversations(prepared_dir: str, split: str = "test") -> Iterator[Messages]:

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from dominospec.errors import UserError
-from dominospec.eval.prompts import render
+from dominospec.data.chat import render_prompt as render
 from dominospec.serve.errors import ApiError, install_handlers
 from dominospec.serve.guards import Guards
 from dominospec.serve.requests import ChatRequest, CompletionRequest, parse_request

@@ -47,8 +47,8 @@ from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, render_batch, special_token_ids
 from dominospec.data.code_prompts import CodePrompts, code_prompts
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
-from dominospec.data.journal import Journal
-from dominospec.data.replies import first_prompt_length, rewrite_conversations
+from dominospec.regenerate.journal import Journal
+from dominospec.regenerate.replies import first_prompt_length, rewrite_conversations
 from dominospec.engine.packed import pack_linears
 from dominospec.files import replace_path, temp_sibling, write_json
 from dominospec.target import DTYPES, Target, load_target

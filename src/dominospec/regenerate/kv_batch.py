@@ -42,9 +42,10 @@ from contextvars import ContextVar
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+
+from dominospec.engine.attention import gqa_one_query, gqa_sdpa
 
 ATTENTION = "dominospec_grouped"
 GROW = 64  # C_g grows in steps of this many columns; a growth copies that group's buffer once
@@ -255,25 +256,6 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _decode_one_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                      scaling: float) -> torch.Tensor:  # fmt: skip
-    """query [R, H, 1, d], key/value [R, kv, C, d] (contiguous), additive mask [R, 1, 1, C] -> [R, 1, H, d].
-
-    The G = H / kv query heads sharing a kv head are the rows of one batched matmul against the
-    cached keys (no repeat of K/V); on the CPU it is several times faster than torch's flash kernel
-    for one query."""
-    rows, heads, _, dim = query.shape
-    kv_heads, columns = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    grouped = query.reshape(rows * kv_heads, groups, dim)  # [R*kv, G, d]
-    mask = mask.expand(rows, kv_heads, 1, columns).reshape(rows * kv_heads, 1, columns)  # [R*kv, 1, C]
-    keys_t = key.reshape(rows * kv_heads, columns, dim).transpose(1, 2)  # [R*kv, d, C]
-    scores = torch.baddbmm(mask, grouped, keys_t, alpha=scaling)  # [R*kv, G, C]
-    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
-    out = torch.bmm(probs, value.reshape(rows * kv_heads, columns, dim))  # [R*kv, G, d]
-    return out.reshape(rows, 1, heads, dim)
-
-
 def grouped_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor, scaling: float, dropout: float = 0.0, **kwargs,
@@ -281,21 +263,19 @@ def grouped_attention(
     """query [R, H, q, d] -> ([R, q, H, d], None).
 
     Decoding with an active `SlotKV` (q == 1): each group of slots attends to its own buffer
-    (`_decode_one_group`); `key`/`value`/`attention_mask` are HF's and unused. Otherwise (a
+    (`engine.attention.gqa_one_query`); `key`/`value`/`attention_mask` are HF's and unused. Otherwise (a
     prefill, or no active cache) key/value [R, kv, C, d] and the additive mask [R, 1, q, C] are
-    used as given: a prefill goes to scaled_dot_product_attention, one query to `_decode_one_group`.
+    used as given: a prefill goes to `gqa_sdpa`, one query to `gqa_one_query` (engine.attention: the one
+    grouped attention, shared with the engine's verify).
     """
     kv = _DECODING.get()
     if query.shape[2] == 1 and kv is not None and kv.decoding:
-        parts = [_decode_one_group(query[first:end], k, v, mask, scaling)
+        parts = [gqa_one_query(query[first:end], k, v, mask, scaling)
                  for first, end, k, v, mask in kv.layer_groups(module.layer_idx)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
     if query.shape[2] == 1:
-        return _decode_one_group(query, key.contiguous(), value.contiguous(), attention_mask, scaling), None
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] > key.shape[1]
-    )  # [R, H, q, d]
-    return out.transpose(1, 2), None
+        return gqa_one_query(query, key.contiguous(), value.contiguous(), attention_mask, scaling), None
+    return gqa_sdpa(query, key, value, attention_mask, scaling).transpose(1, 2), None  # [R, q, H, d]
 
 
 AttentionInterface.register(ATTENTION, grouped_attention)

@@ -27,8 +27,8 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from dominospec.data.kv_batch import SlotKV
-from dominospec.data.loops import LoopDetector
+from dominospec.regenerate.kv_batch import SlotKV
+from dominospec.regenerate.loops import LoopDetector
 from dominospec.engine.kv import cache_argument
 
 PREFILL_TOKENS = 1024  # tokens per prefill forward: bounds the [1, H, q, C] attention scores

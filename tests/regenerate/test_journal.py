@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dominospec.data.journal import Journal
+from dominospec.regenerate.journal import Journal
 
 
 def test_units_survive_a_reload(tmp_path):

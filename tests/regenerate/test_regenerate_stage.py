@@ -17,7 +17,7 @@ from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.data.dataset import read_dataset
 from dominospec.data.prepare import prepare
-from dominospec.data.regenerate import regenerate, work_dir
+from dominospec.regenerate.stage import regenerate, work_dir
 
 REGENERATE = {"enabled": True, "max_conversations": 6, "original_conversations": 0, "max_val_conversations": 0, "max_turns": None,
               "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95, "batch_size": 1, "seed": 3,

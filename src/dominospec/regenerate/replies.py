@@ -27,8 +27,9 @@ import torch
 from dominospec.config import RegenerateParams
 from dominospec.data.chat import render_text
 from dominospec.data.conversations import ASSISTANT
-from dominospec.data.decoder import DecodePolicy, Reply, ReplyStream
-from dominospec.data.kv_batch import SlotKV, grouped_attention_on
+from dominospec.engine.stops import stop_token_ids
+from dominospec.regenerate.decoder import DecodePolicy, Reply, ReplyStream
+from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 from dominospec.target import Target
 
 
@@ -121,7 +122,9 @@ def first_prompt_length(tokenizer: Any, messages: Sequence[dict[str, str]]) -> i
 
 def decode_policy(target: Target, cfg: RegenerateParams) -> DecodePolicy:
     """Target + regenerate params -> how replies are picked and where they stop."""
-    stop_ids = stop_token_ids(target)
+    stop_ids = stop_token_ids(target.tokenizer, target.model)
+    if not stop_ids:
+        raise ValueError("the target has no EOS token: replies could never stop")
     pad_id = target.tokenizer.pad_token_id
     return DecodePolicy(
         stop_ids=tuple(stop_ids),
@@ -131,15 +134,3 @@ def decode_policy(target: Target, cfg: RegenerateParams) -> DecodePolicy:
         loop_repeats=cfg.loop_repeats,
         pad_id=stop_ids[0] if pad_id is None else pad_id,
     )
-
-
-def stop_token_ids(target: Target) -> list[int]:
-    """Ids that end a reply: the tokenizer's EOS (the end-of-turn token) and the model's generation EOS ids."""
-    ids: list[int] = []
-    config_eos: Any = getattr(target.model.generation_config, "eos_token_id", None)
-    for tid in [target.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]:
-        if tid is not None and tid not in ids:
-            ids.append(int(tid))
-    if not ids:
-        raise ValueError("the target has no EOS token: replies could never stop")
-    return ids

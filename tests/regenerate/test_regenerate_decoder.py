@@ -17,11 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dominospec.config import load_params
 from dominospec.data.chat import render_text
-from dominospec.data.decoder import DecodePolicy, ReplyStream, next_tokens
-from dominospec.data import decoder, kv_batch, replies
-from dominospec.data.kv_batch import SlotKV, grouped_attention_on
-from dominospec.data.loops import LoopDetector
-from dominospec.data.replies import decode_policy, rewrite_conversations
+from dominospec.regenerate.decoder import DecodePolicy, ReplyStream, next_tokens
+from dominospec.regenerate import decoder, kv_batch, replies
+from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
+from dominospec.regenerate.loops import LoopDetector
+from dominospec.regenerate.replies import decode_policy, rewrite_conversations
 from dominospec.target import load_target
 
 STOP = 2
