@@ -37,7 +37,7 @@ from dominospec.bench import environment, load_draft, load_target, parser, setup
 
 def main() -> None:
     from dominospec.engine import SpecEngine
-    from dominospec.engine.configure import engine_options, prepare_target
+    from dominospec.engine.configure import prepare_target
     from dominospec.eval.report import first_divergence, top2_margin
 
     p = parser(__doc__, threads=2, prompts=8, new_tokens=128)
@@ -58,8 +58,8 @@ def main() -> None:
     stock = load_target(params, dtype=args.dtype)  # transformers as users run it
     ours = load_target(params, dtype=args.dtype)
     target_dtype = stock.identity.dtype
-    options = engine_options(params.engine, prepare_target(ours, params.engine))
-    engines = {"ar": SpecEngine(ours, None, "ar"),
+    options = dataclasses.replace(params.engine, linear=prepare_target(ours, params.engine))
+    engines = {"ar": SpecEngine(ours, None, "ar", None, options),
                "ngram": SpecEngine(ours, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, options)}
     if args.draft or args.random_draft:
         draft = load_draft(params, ours, args.draft, random=args.random_draft)
@@ -71,8 +71,8 @@ def main() -> None:
             engines["domino no fork"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
                                                    dataclasses.replace(options, ngram_fork=False))
     if args.plain_too:  # the same modes on the stock target (nn.Linear as loaded), the draft path unpacked too
-        plain = dataclasses.replace(options, packed=False)
-        engines["ar plain"] = SpecEngine(stock, None, "ar")
+        plain = dataclasses.replace(options, linear="torch")
+        engines["ar plain"] = SpecEngine(stock, None, "ar", None, plain)
         engines["ngram plain"] = SpecEngine(stock, None, "ngram", "auto" if params.evaluate.num_draft == "auto" else None, plain)
         if "domino" in engines:
             engines["domino plain"] = SpecEngine(stock, load_draft(params, stock, args.draft) if args.draft else draft, "domino",

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dominospec.bench import flatten, load_packed, load_target, parser, setup, until_stop, with_answer
+from dominospec.bench import flatten, load_packed, load_target, parser, plain_engine, setup, until_stop, with_answer
 
 # name -> overrides of (draft.*, train.*) and the data ("regen" | "orig", fraction of conversations)
 BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False,
@@ -242,7 +242,8 @@ def walk_score(draft: Any, target: Any, seqs: list[dict[str, torch.Tensor]], lay
 
 
 @torch.no_grad()
-def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: int, layer_ids: list[int]) -> dict:
+def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: int, layer_ids: list[int],
+                 engine_params: Any) -> dict:
     """The real engine (domino and head off) on `prompts` -> its pooled τ, and the walk's τ on
     the engine's own output: equal up to feature numerics (batched vs incremental forwards)."""
     from dominospec.engine import SpecEngine
@@ -251,7 +252,7 @@ def engine_check(draft: Any, target: Any, prompts: list[torch.Tensor], max_new: 
     draft = draft.float()
     out: dict[str, Any] = {"prompts": len(prompts)}
     for mode, head in (("domino", True), ("dflash", False)):
-        engine, walk = SpecEngine(target, draft, mode), WalkStats()
+        engine, walk = SpecEngine(target, draft, mode, None, engine_params), WalkStats()
         emitted = rounds = 0
         tick = time.perf_counter()
         for p in prompts:
@@ -329,7 +330,7 @@ def run(args: argparse.Namespace) -> None:
             copy.deepcopy(draft).to(torch.bfloat16).save_pretrained(state / "combo_draft", max_shard_size="15MB")
             if args.engine_check:
                 results[name]["engine_check"] = engine_check(draft, target, data["suites"]["sharegpt"][: args.engine_check],
-                                                             args.suite_new_tokens, layer_ids)
+                                                             args.suite_new_tokens, layer_ids, plain_engine(params.engine))
                 results_path.write_text(json.dumps(results, indent=1))
                 print(json.dumps(results[name]["engine_check"]), flush=True)
     table = study_table(results, gen, args)

@@ -23,7 +23,7 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
                   two branches of one forward, engine.fork)
     domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
-                  as W branches, each drafted on, engine.branches)
+                  as W branches, each drafted on, engine.draft_head)
     dominotree+fork  SpecEngine "dominotree" (`--tree-nodes` N best-first nodes, `--tree-children` a node,
                   engine.domino_tree) with ngram_assist and ngram_fork; under auto-K it verifies the best
                   n <= N nodes a round
@@ -178,7 +178,9 @@ def load_e2e(args: argparse.Namespace, device: torch.device):
 
 def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     """Fills result["e2e"]: settings, per-prompt records, per-mode summaries, divergences."""
-    from dominospec.engine import EngineOptions, SpecEngine
+    from dominospec.bench import plain_engine
+    from dominospec.config import load_params
+    from dominospec.engine import SpecEngine
     from dominospec.eval.report import first_divergence, pooled, top2_margin
 
     cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
@@ -186,8 +188,9 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     target, draft = load_e2e(args, device)
     suites = load_prompts(args)
     plan = interleave(suites)
-    options = EngineOptions(head_kernel="triton" if cuda else "torch", candidate_pool=args.pool)
-    graphed = dataclasses.replace(options, static_cache=True, cuda_graphs=cuda, graph_capacity=args.graph_capacity)
+    options = plain_engine(load_params(args.params).engine, head_kernel="triton" if cuda else "torch",
+                           candidate_pool=args.pool)
+    graphed = dataclasses.replace(options, cuda_graphs="on" if cuda else "static", graph_capacity=args.graph_capacity)
     lean = dataclasses.replace(graphed, lean_target="on")
     engines = {}
     for suffix, opts in (("", options), (" graphs", graphed), (" lean", lean)):

@@ -4,17 +4,17 @@ Measurement (i) of the kernel issue. Random weights at Qwen3-8B shapes (hidden 4
 rank 256, vocab 151,936), block 16 -> K = 15 drafts, pure_draft_prefix_len 1 -> 14 corrected
 steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start, z, u -> d_1..d_15):
 
-    torch (eager)            the engine's torch ops (kernels.head_rollout.head_rollout_reference)
+    torch (eager)            the model's rollout, the one torch reference (dominospec.bench.head_model)
     torch + graph            the same ops captured in one CUDA graph
     triton (eager)           kernels.head_rollout, launched from Python
     triton + graph           the same captured in one CUDA graph       target <= 0.45 ms
     triton, GEMV GRU + graph no [V, 3G] table: W_ih streamed per step (the ≈113 MB/step floor)
     pool torch / pool triton the top-2048 candidate pool; pool triton + graph: target <= 0.10 ms
-                             (torch selects as engine.rollout.candidate_pool: max over rows + unsorted
+                             (torch selects as engine.draft_head.candidate_pool: max over rows + unsorted
                              torch.topk; Triton with the fused kernels.pool_select: ids ascending)
     pool selection alone     torch max + topk (sorted, unsorted) against the fused selection, in a graph
-    tree W=4 torch / pool triton   a draft tree's 4 branches over the pool (engine.branches): the torch
-                             ops of all 4 rows (kernels.head_branches.head_branches_reference) against
+    tree W=4 torch / pool triton   a draft tree's 4 branches over the pool (engine.draft_head): the torch
+                             rollout of all 4 rows (the model's rollout with first=...) against
                              kernels.head_branches, eager and in a graph (--tree-width; 0 = no tree rows)
 
 `--shapes smollm2` times the embedded default's draft instead (vocab 49,152, hidden 576, GRU 256,
@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from dominospec.bench import (HEAD_SHAPES, capture, environment, head_rollouts, median_ms, parser, pool_ids,
+from dominospec.bench import (HEAD_SHAPES, capture, environment, head_model, head_rollouts, median_ms, parser, pool_ids,
                               random_head, require_cuda, write_json)
 
 SHAPES = {name: s for name, s in HEAD_SHAPES.items() if name != "smoke"}
@@ -66,9 +66,11 @@ def device_ms(fn, reps: int, cuda: bool) -> float:
 
 
 def torch_chain(hr, w: dict, s: dict, ids: torch.Tensor):
-    """The eager torch rollout over given pool ids -> (tokens [K], scored logits): the Triton pool path's reference."""
-    return hr.head_rollout_reference(w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], s["prefix"], w["z"],
-                                     w["base"], w["x_start"], ids)
+    """The model's rollout over given pool ids -> (tokens [K], scored logits [K, V], -inf off the pool): the
+    Triton pool path's reference."""
+    model, table = head_model(w["embed"], w["w_ih"], w["w_hh"], w["w1"], w["w2"], s["prefix"], w["z"].shape[0])
+    out = model.rollout(w["z"], w["base"], w["x_start"], table, pool=ids)
+    return out.tokens, out.logits
 
 
 def selection_checks(w: dict, s: dict, label: str) -> tuple[torch.Tensor, list[dict]]:
@@ -203,10 +205,10 @@ def run(args) -> dict:
 
 
 def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
-    """A draft tree of `width` branches over the pool (engine.branches), timed eager and graph'd: the torch
+    """A draft tree of `width` branches over the pool (engine.draft_head), timed eager and graph'd: the torch
     ops of all rows at once against kernels.head_branches. Checks: the kernels' graph = their eager run
     exactly; fp32 kernels = torch over the same pool exactly (bf16 is timed only: torch rounds each op)."""
-    from dominospec.kernels.head_branches import head_branches, head_branches_reference
+    from dominospec.kernels.head_branches import head_branches
     from dominospec.kernels.pool_select import pool_select, pool_workspace
 
     P, M = s["prefix"], s["pool"]
@@ -215,6 +217,7 @@ def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) 
         v = w if dtype == torch.bfloat16 else random_head(s, torch.float32, w["base"].device)
         args = (v["embed"], v["w_ih"], v["w_hh"], v["w1"], v["w2"], P)
         weights = hr.head_weights(*args, table_budget_bytes=budget)
+        model, table = head_model(*args, v["z"].shape[0])
         ws = pool_workspace(s["vocab"], M, v["base"].dtype, v["base"].device)
         first = torch.topk(v["base"][0].float(), width).indices
 
@@ -224,12 +227,12 @@ def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) 
 
         def reference():
             ids = pool_ids(v["base"], P, M)
-            return head_branches_reference(*args, v["z"], v["base"], v["x_start"], first, ids)
+            return model.rollout(v["z"], v["base"], v["x_start"], table, first=first, pool=ids, keep_logits=False).tokens
 
         eager = fused().clone()
         if dtype == torch.float32:
-            same = torch.equal(eager, head_branches_reference(*args, v["z"], v["base"], v["x_start"], first,
-                                                              pool_select(v["base"], P, M).clone()))
+            same = torch.equal(eager, model.rollout(v["z"], v["base"], v["x_start"], table, first=first,
+                                                    pool=pool_select(v["base"], P, M).clone(), keep_logits=False).tokens)
             checks.append(dict(check=f"fp32 tree W={width} pool triton vs eager torch (same pool)", equal=same,
                                first_divergence=None, margin=None, ok=same))
             continue

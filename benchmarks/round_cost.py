@@ -32,7 +32,8 @@ TAUS = (1.5, 2.0, 3.0)
 
 
 def main() -> None:
-    from dominospec.engine import EngineOptions, SpecEngine, pack_linears
+    from dominospec.bench import plain_engine
+    from dominospec.engine import SpecEngine, pack_linears
     from dominospec.engine.attention import use_grouped_sdpa
     from dominospec.eval.report import pooled
 
@@ -57,10 +58,10 @@ def main() -> None:
         if side == "after":
             pack_linears(target.model)
             use_grouped_sdpa(target.model)
-            options = EngineOptions(draft_dtype=torch.bfloat16, packed=True, candidate_pool=pool)
+            options = plain_engine(params.engine, draft_dtype="bfloat16", linear="packed", candidate_pool=pool)
         else:
-            options = EngineOptions()
-        engines[f"{side} ar"] = SpecEngine(target, None, "ar")
+            options = plain_engine(params.engine)
+        engines[f"{side} ar"] = SpecEngine(target, None, "ar", None, options)
         if args.ngram:
             engines[f"{side} ngram K=7"] = SpecEngine(target, None, "ngram", 7, options)
         for k in args.k.split(","):

@@ -29,7 +29,7 @@ from dominospec.bench import environment, interleaved, load_draft, load_target, 
 
 def main() -> None:
     from dominospec.engine import Sampling, SpecEngine
-    from dominospec.engine.configure import engine_options, prepare_target
+    from dominospec.engine.configure import prepare_target
     from dominospec.eval.report import speedup_standard_error, tau_standard_error
     from dominospec.eval.stage import calibrate_together
     from dominospec.target import float32_matmul
@@ -47,7 +47,7 @@ def main() -> None:
     target = load_target(params)
     draft = load_draft(params, target, args.draft)
     linear = prepare_target(target, params.engine)
-    base = dataclasses.replace(engine_options(params.engine, linear), ngram_assist=False, ngram_fork=False,
+    base = dataclasses.replace(params.engine, linear=linear, ngram_assist=False, ngram_fork=False,
                                tree_width=1)
     K = int(draft.config.block_size) - 1
     nodes = args.nodes or args.width * K

@@ -18,6 +18,7 @@ Prints a markdown table per measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -78,11 +79,10 @@ def forward_ms(target, S: int, T: int, reps: int) -> dict[str, float]:
 def rounds(target, params, draft_path: str, suite: str, prompts: int, new_tokens: int) -> dict[str, dict[str, float]]:
     """AR and Domino per attention, interleaved prompt by prompt -> {attention: round / AR step, τ, decode speed-up}."""
     from dominospec.engine import SpecEngine
-    from dominospec.engine.configure import engine_options
 
     loaded = next(suites(params, target.tokenizer, prompts, [suite]))
     draft = load_draft(params, target, draft_path)
-    options = engine_options(params.engine, "packed")
+    options = dataclasses.replace(params.engine, linear="packed")
     engines = {name: (SpecEngine(target, None, "ar", None, options), SpecEngine(target, draft, "domino", "auto", options))
                for name in ATTENTIONS}
     sums = {name: dict.fromkeys(("ar_s", "ar_steps", "ar_decode_s", "ar_tokens", "round_s", "rounds", "drafted",

@@ -2,7 +2,7 @@
 
 For the first N prompts of each suite the target answers greedily (our AR engine); at every
 position of the answer the draft's block is scored teacher-forced (train.objective, as the engine
-walk of eval.walk does). A tree of W first guesses (engine.branches) gets its first token right when
+walk of eval.walk does). A tree of W first guesses (engine.draft_head) gets its first token right when
 the target's token is among the W most likely of the base logits u_0, and the branch that has it
 then goes on as the teacher-forced chain does (greedy drafting: exact). The walk over each answer
 (train.walk) then gives τ at K = B - 1 for each W, with the head and without.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dominospec.bench import load_draft, load_target, parser, reply_blocks, setup, suites
+from dominospec.bench import load_draft, load_target, parser, plain_engine, reply_blocks, setup, suites
 
 
 def walk_tau(items: list, width: int, head: bool, num_draft: int, second: int = 1) -> float:
@@ -53,7 +53,7 @@ def main() -> None:
     target = load_target(params)
     draft = load_draft(params, target)
     K = int(draft.config.block_size) - 1
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", None, plain_engine(params.engine))
     widths = [int(w) for w in args.widths.split(",")]
     seconds = [int(b) for b in args.second.split(",")]
     print("| suite | W | b | chains | P(token among W guesses) | walk τ Domino | walk τ head off |\n|---|---|---|---|---|---|---|")

@@ -22,7 +22,6 @@ import dataclasses
 from dominospec.bench import load_target, parser, read_prompts, setup
 from dominospec.engine import SpecEngine
 from dominospec.engine import spec as spec_module
-from dominospec.engine.configure import engine_options
 
 
 def main() -> None:
@@ -41,8 +40,7 @@ def main() -> None:
         # a CUDA target: its linears stay torch's (packing is for CPU weights)
         for capacity in map(int, args.capacities.split(",")):
             spec_module.MIN_BUCKET = capacity  # one bucket: every generation runs on `capacity` rows
-            options = dataclasses.replace(engine_options(params.engine, "torch"), static_cache=True, cuda_graphs=True,
-                                          graph_capacity=capacity)
+            options = dataclasses.replace(params.engine, linear="torch", cuda_graphs="on", graph_capacity=capacity)
             engine = SpecEngine(target, None, "ar", None, options)
             engine.generate(prompts[0], 16)  # captures the step's graph
             step_ms = []

@@ -54,8 +54,8 @@ def replay_times(engine, K: int, reps: int) -> dict:
     if drafter is not None:
         for S, (graph, _) in sorted(drafter.graphs.graphs.items()):
             out[f"draft S={S}"] = device_ms(graph.replay, reps)
-    if engine.head_graphs is not None:
-        for key, (graph, _) in sorted(engine.head_graphs.graphs.graphs.items()):
+    if engine.head.graphs is not None:
+        for key, (graph, _) in sorted(engine.head.graphs.graphs.graphs.items()):
             out[f"rollout K={key[0]}"] = device_ms(graph.replay, reps)
     return out
 
@@ -118,7 +118,8 @@ def trace(engine, prompt, new_tokens: int, top: int = 15) -> dict:
 
 
 def main() -> None:
-    from dominospec.engine import EngineOptions, SpecEngine
+    from dominospec.bench import plain_engine
+    from dominospec.engine import SpecEngine
 
     p = parser(__doc__, params="params/smollm2-h200.yaml", prompts=4, new_tokens=96)
     p.add_argument("--k", type=int, default=7)
@@ -141,8 +142,8 @@ def main() -> None:
         dtype = getattr(torch, name)
         target = smollm2_shaped(dtype, device)
         draft = random_draft(params, target).to(device)
-        options = EngineOptions(draft_dtype=torch.bfloat16, head_kernel="triton", static_cache=True, cuda_graphs=True,
-                                graph_capacity=1024, candidate_pool=params.engine.candidate_pool)
+        options = plain_engine(params.engine, draft_dtype="bfloat16", head_kernel="triton", cuda_graphs="on",
+                               graph_capacity=1024, candidate_pool=params.engine.candidate_pool)
         engines = {"ar": SpecEngine(target, None, "ar", None, options),
                    f"dflash K={args.k}": SpecEngine(target, draft, "dflash", args.k, options),
                    f"domino K={args.k}": SpecEngine(target, draft, "domino", args.k, options)}

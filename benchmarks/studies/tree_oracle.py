@@ -32,7 +32,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from dominospec.bench import load_draft, load_target, parser, reply_blocks, setup, suites
+from dominospec.bench import load_draft, load_target, parser, plain_engine, reply_blocks, setup, suites
 
 
 class Anchor:
@@ -123,7 +123,7 @@ def main() -> None:
     draft = load_draft(params, target, args.draft).float()
     K = int(draft.config.block_size) - 1
     embed, lm_head = target.embed_tokens, target.lm_head
-    ar = SpecEngine(target, None, "ar")
+    ar = SpecEngine(target, None, "ar", None, plain_engine(params.engine))
     rows = [int(r) for r in args.rows.split(",")]
     print("| suite | verify rows | policy | walk τ |\n|---|---|---|---|", flush=True)
     for suite in suites(params, target.tokenizer, args.prompts):

@@ -45,6 +45,17 @@ import torch
 # ---------------------------------------------------------------------------------------------
 
 
+# The plain engine: a chain, no pool, no lookups, torch ops, dynamic caches. Every other knob is the
+# params file's (the one set of defaults); a script or test overrides what it measures.
+PLAIN_ENGINE = dict(linear="torch", draft_dtype=None, candidate_pool=0, confidence_cut=0.0, ngram_assist=False,
+                    ngram_fork=False, tree_width=1, head_kernel="torch", cuda_graphs="off", lean_target="off")
+
+
+def plain_engine(engine: Any, **overrides: Any) -> Any:
+    """params.engine (config.EngineParams) -> the plain engine's params with `overrides`."""
+    return dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
+
+
 def parser(doc: str, params: Optional[str] = "params.yaml", threads: Optional[int] = None,
            prompts: Optional[int] = None, new_tokens: Optional[int] = None) -> argparse.ArgumentParser:
     """An ArgumentParser described by the first line of `doc`, with the options most scripts share,
@@ -240,14 +251,37 @@ def random_head(s: dict, dtype: torch.dtype, device: torch.device, seed: int = 0
 
 
 def pool_ids(base: torch.Tensor, first: int, size: int) -> torch.Tensor:
-    """SGLang's pool as the torch path selects it (engine.rollout.candidate_pool): top-M of the max over the
+    """SGLang's pool as the torch path selects it (engine.draft_head.candidate_pool): top-M of the max over the
     corrected rows' base logits, in no order."""
     return torch.topk(base[first:].max(dim=0).values, size, sorted=False).indices
 
 
+def head_model(embed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               prefix: int, block_size: int) -> tuple[Any, Any]:
+    """Raw head weights (E [V, H], W_ih [3G, H], W_hh [3G, G], W1 [r, H+G], W2 [V, r]) -> (a draft model
+    carrying them, the embedding module), on their device and dtype: the model's `rollout` on them is the
+    torch reference every head kernel is compared with and timed against."""
+    from dominospec.models.domino import DFlashDraftModel, DominoDraftConfig
+
+    V, H = embed.shape
+    G, r = w_hh.shape[1], w1.shape[0]
+    config = DominoDraftConfig(vocab_size=V, hidden_size=H, intermediate_size=4, num_hidden_layers=1,
+                               num_attention_heads=1, num_key_value_heads=1, head_dim=4,
+                               block_size=max(block_size, prefix, 2), num_target_layers=1, emb_dim=r,
+                               dflash_config={"gru_hidden_dim": G, "pure_draft_prefix_len": prefix,
+                                              "target_layer_ids": [0], "mask_token_id": 0})
+    model = DFlashDraftModel(config).to(embed.device, embed.dtype).eval()
+    with torch.no_grad():
+        model.prefix_gru.weight_ih_l0.copy_(w_ih)
+        model.prefix_gru.weight_hh_l0.copy_(w_hh)
+        model.embed_proj[0].weight.copy_(w1)
+        model.embed_proj[2].weight.copy_(w2)
+    return model, torch.nn.Embedding.from_pretrained(embed)
+
+
 def head_rollouts(w: dict, s: dict, block_v: Optional[int], table_budget: int, plan: Optional[dict] = None) -> dict:
     """Path name -> a no-argument function returning (tokens [K], scored logits or None); no host sync inside.
-    torch / pool torch: the reference ops (kernels.head_rollout.head_rollout_reference); triton: the
+    torch / pool torch: the model's rollout (the one torch reference, `head_model`); triton: the
     kernels with the GRU table (`table_budget` bytes), triton, GEMV GRU: without it; pool triton: over the
     fused pool selection (kernels.pool_select). `plan`: kernels.head_rollout.rollout_plan's arguments."""
     import dominospec.kernels.head_rollout as hr
@@ -259,11 +293,15 @@ def head_rollouts(w: dict, s: dict, block_v: Optional[int], table_budget: int, p
     no_table = hr.head_weights(*args, table_budget_bytes=0)
     pool_ws = pool_workspace(s["vocab"], s["pool"], w["base"].dtype, w["base"].device)  # static buffers
 
+    model, table = head_model(*args, w["z"].shape[0])
+
     def torch_full():
-        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"])
+        out = model.rollout(w["z"], w["base"], w["x_start"], table)
+        return out.tokens, out.logits
 
     def torch_pool():
-        return hr.head_rollout_reference(*args, w["z"], w["base"], w["x_start"], pool_ids(w["base"], P, s["pool"]))
+        out = model.rollout(w["z"], w["base"], w["x_start"], table, pool=pool_ids(w["base"], P, s["pool"]))
+        return out.tokens, out.logits
 
     def triton(weights, pool):
         def run():

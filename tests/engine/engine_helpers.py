@@ -153,18 +153,12 @@ def draft_runners_agree(target: Target, draft: DFlashDraftModel, make_runner) ->
             runner.block(None, x_start, start + 1, 1)
 
 
-# The plain engine the tests start from: a chain, no pool, no lookups, torch ops, dynamic caches.
-# Every other knob is params.yaml's (the one set of defaults); tests override what they exercise.
-PLAIN_ENGINE = dict(linear="torch", draft_dtype=None, candidate_pool=0, confidence_cut=0.0, ngram_assist=False,
-                    ngram_fork=False, tree_width=1, head_kernel="torch", cuda_graphs="off", lean_target="off")
-
-
 def engine_params(**overrides):
-    """params.yaml's `engine:` with PLAIN_ENGINE's switches and `overrides` -> config.EngineParams."""
-    import dataclasses
+    """params.yaml's `engine:` as the plain engine (dominospec.bench.plain_engine: a chain, no pool, no
+    lookups, torch ops, dynamic caches) with `overrides` -> config.EngineParams."""
     from pathlib import Path
 
+    from dominospec.bench import plain_engine
     from dominospec.config import load_params
 
-    base = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
-    return dataclasses.replace(base, **{**PLAIN_ENGINE, **overrides})
+    return plain_engine(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine, **overrides)
