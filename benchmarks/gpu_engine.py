@@ -38,7 +38,7 @@ a timed prompt. `--reference` names the mode the others are checked against (def
 minutes a prompt in bf16, where no speculative mode is exact anyway; `ar lean` spares them).
 Per mode the table gives the device ms of the round's phases and the host ms of its plan / launch /
 wait (the acceptance's read) / commit (`GenerationStats.host_s`).
-τ is pooled (DESIGN §6) with its SE over prompts; tokens/s = Σ new tokens ÷ Σ wall time (prefill
+τ is pooled (docs/design.md §6) with its SE over prompts; tokens/s = Σ new tokens ÷ Σ wall time (prefill
 included, timed around each call with torch.cuda.synchronize). Every divergence from `ar` is listed
 with the target's top-2 margin there. `--budget-seconds` stops starting prompts when the next one
 would not fit; the table says how many were done.
@@ -46,7 +46,7 @@ would not fit; the table says how many were done.
 (iv) PROJECTION, random weights: a Qwen3-8B-shaped target (bf16), timed forward of 1 and K+1 tokens
 after a `--prefix`-token KV cache (eager: DynamicCache, as the engine verifies; graph: StaticCache +
 an explicit 4-D mask, one CUDA graph per shape, checked against eager); a 5-layer DFlash draft block
-of K+1 slots (DESIGN §4 shapes, `--context-rows` target rows appended first) plus its base logits;
+of K+1 slots (docs/design.md §4 shapes, `--context-rows` target rows appended first) plus its base logits;
 the head rollout from `--head-json` (benchmarks/head_kernels_gpu.py, row `--head-row`; K = 7 scaled
 by corrected steps) or timed here (Triton + graph). Projected speed-up = τ · t_AR ÷ (t_draft + t_head
 + t_verify(K)), τ in {2, 3, 4, 5}, K in {7, 15}: a model, not a measurement.
@@ -509,7 +509,7 @@ def run_projection(args: argparse.Namespace, result: dict) -> None:
         if args.smoke:
             cfg.update(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, dflash_config=dict(target_layer_ids=layer_ids, gru_hidden_dim=32, emb_dim=16))
-        draft = DFlashDraftModel(DominoDraftConfig(**cfg))  # defaults: DESIGN §4 (5 layers, H 4096, G 1024, r 256)
+        draft = DFlashDraftModel(DominoDraftConfig(**cfg))  # defaults: docs/design.md §4 (5 layers, H 4096, G 1024, r 256)
     model.eval().requires_grad_(False)
     draft.eval().requires_grad_(False)
     proj["draft_layers"] = len(draft.layers)

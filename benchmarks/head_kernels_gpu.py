@@ -20,7 +20,7 @@ steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start,
 `--shapes smollm2` times the embedded default's draft instead (vocab 49,152, hidden 576, GRU 256,
 rank 64, block 8 -> K = 7): the head the end-to-end runs on SmolLM2-135M use.
 
-Checks (a graph'd path can run and still be wrong; DESIGN.md §6):
+Checks (a graph'd path can run and still be wrong; docs/design.md §6):
 - every graph'd path's tokens equal its own eager run's, exactly (same kernels);
 - the fused pool selection equals its reference exactly (kernels.pool_select.pool_select_reference),
   in fp32 and bf16, and in a graph; the set differs from torch.topk's only by ties at the boundary;

@@ -1,4 +1,4 @@
-"""DVC stage `cache`: see dominospec.cli.STAGES['cache'] and DESIGN.md §3."""
+"""DVC stage `cache`: see dominospec.stages.STAGES['cache'] and docs/design.md §3."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `evaluate`: see dominospec.cli.STAGES['evaluate'] and DESIGN.md §3."""
+"""DVC stage `evaluate`: see dominospec.stages.STAGES['evaluate'] and docs/design.md §3."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `export`: see dominospec.cli.STAGES['export'] and DESIGN.md §3, §5."""
+"""DVC stage `export`: see dominospec.stages.STAGES['export'] and docs/design.md §3, §5."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `headline`: see dominospec.cli.STAGES['headline']."""
+"""DVC stage `headline`: see dominospec.stages.STAGES['headline']."""
 
 import sys
 

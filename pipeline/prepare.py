@@ -1,4 +1,4 @@
-"""DVC stage `prepare`: see dominospec.cli.STAGES['prepare'] and DESIGN.md §3."""
+"""DVC stage `prepare`: see dominospec.stages.STAGES['prepare'] and docs/design.md §3."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `regenerate`: see dominospec.cli.STAGES['regenerate'] and DESIGN.md §3."""
+"""DVC stage `regenerate`: see dominospec.stages.STAGES['regenerate'] and docs/design.md §3."""
 
 import sys
 

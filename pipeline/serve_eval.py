@@ -1,4 +1,4 @@
-"""DVC stage `serve_eval`: see dominospec.cli.STAGES['serve_eval']."""
+"""DVC stage `serve_eval`: see dominospec.stages.STAGES['serve_eval']."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `train`: see dominospec.cli.STAGES['train'] and DESIGN.md §3."""
+"""DVC stage `train`: see dominospec.stages.STAGES['train'] and docs/design.md §3."""
 
 import sys
 

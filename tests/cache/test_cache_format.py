@@ -66,7 +66,7 @@ def test_missing_and_malformed_manifest(tmp_path):
 
 
 def test_layer_id_formula():
-    # DESIGN.md §4 and the reference configs: Qwen3-8B (36 layers) -> [1, 9, 17, 25, 33].
+    # docs/design.md §4: Qwen3-8B (36 layers) -> [1, 9, 17, 25, 33].
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M
     assert resolve_layer_ids(_cache_params(5), 36) == [1, 9, 17, 25, 33]

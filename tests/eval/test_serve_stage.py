@@ -135,7 +135,8 @@ def test_a_server_killed_mid_run_is_named_and_reaped(project, tmp_path, capsys, 
     with pytest.raises(UserError) as failed:
         serve_eval(load_params(variant(project, tmp_path)))
     message = str(failed.value)
-    assert message.startswith("the served evaluation failed: cannot reach the server")
+    # unreachable, or the connection kept alive reset, as the requests happen to meet the dead server
+    assert re.match(r"the served evaluation failed: (cannot reach the server|http://\S+: \w+Error)", message), message
     assert "\nThe server (pid" in message and "exited with signal SIGKILL; its log" in message
     assert_reaped(capsys.readouterr().out)
     Path(re.search(r"its log (\S+) ends", message)[1]).unlink()  # kept for the user: the server failed

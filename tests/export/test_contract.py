@@ -1,4 +1,4 @@
-"""The export contract (DESIGN.md §5), written out here literally so that drift in the code fails CI.
+"""The export contract (docs/design.md §5), written out here literally so that drift in the code fails CI.
 
 The exported tiny draft: H 32, 4 heads x 12, 2 kv heads, ffn 40, 2 layers, n = 2 feature layers of a
 6-layer target, G 20, r 8, V 300, B 4.

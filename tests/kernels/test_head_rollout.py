@@ -3,7 +3,7 @@
 fp32: tokens equal token for token (the kernels differ from torch only in fp32 summation order);
 confidence within 1e-5 of the reference softmax. bf16: the reference rounds every op to bf16 while
 the kernels keep fp32 inside, so a chain may part at a near-tie; the first divergence, if any, must
-be one (reference margin <= 2 bf16 ulps of the top logit), as for real-model runs (DESIGN.md §6).
+be one (reference margin <= 2 bf16 ulps of the top logit), as for real-model runs (docs/design.md §6).
 Run: python -m pytest tests/kernels/test_head_rollout.py -q
 """
 

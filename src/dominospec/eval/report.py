@@ -1,6 +1,6 @@
 """Per-suite metrics from the generations of every prompt in every mode.
 
-All rates are pooled over the suite (DESIGN §6): τ = Σ round tokens ÷ Σ verify rounds (bonus
+All rates are pooled over the suite (docs/design.md §6): τ = Σ round tokens ÷ Σ verify rounds (bonus
 included, the prefill's first token excluded), tokens/s = Σ new tokens ÷ Σ generation wall time
 (prefill included), speedup = mode tokens/s ÷ AR tokens/s; `speedup_decode` leaves the prefill
 (and its token) out of both. τ's standard error is over prompts, for the pooled (ratio)

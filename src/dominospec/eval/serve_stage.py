@@ -71,8 +71,9 @@ def serve_eval(params: Params) -> dict[str, Any]:
         try:
             return evaluate_server(sized, server.url, out=str(Path(params.paths.metrics) / "serve_eval.json"),
                                    extra={**extra, "startup_s": server.startup_s})
-        except UserError as err:
-            raise server.failure(f"the served evaluation failed: {err}") from None
+        except (UserError, httpx.HTTPError) as err:  # HTTPError: a connection the server dropped as it died
+            why = str(err) if isinstance(err, UserError) else f"{server.url}: {type(err).__name__}: {err}"
+            raise server.failure(f"the served evaluation failed: {why}") from None
 
 
 def check_params(cfg: ServeEvalParams) -> None:
@@ -111,7 +112,10 @@ class Server:
         fd, name = tempfile.mkstemp(prefix="serve_eval-", suffix=".log")
         self.log = Path(name)
         self.keep_log = False
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # PYTHONSAFEPATH: `python -m` would put the working directory first on sys.path, and in a checkout its
+        # kernels/ folder is found for transformers' `import kernels` (the folder hands the name over, but
+        # byte-compiling it changes a DVC dependency of train and evaluate)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONSAFEPATH": "1"}
         self.started = time.monotonic()
         self.startup_s: Optional[float] = None
         try:
@@ -146,7 +150,7 @@ class Server:
 
     def failure(self, why: str, show_log: bool = False) -> UserError:
         """-> UserError: `why`; when the server has exited (or `show_log`), how it stands and its log's tail (kept)."""
-        code = self.proc.poll()
+        code = self.proc.poll(); print("POLL", self.proc.pid, code, flush=True)
         if code is None and not show_log:
             return UserError(why)
         self.keep_log = True

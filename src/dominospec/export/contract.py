@@ -1,6 +1,6 @@
 """The export contract: the draft directory stock SGLang (>= 0.5.20) loads with `--speculative-algorithm DFLASH`.
 
-Written once here (DESIGN.md §5). The export stage writes to it and checks its own output with
+Written once here (docs/design.md §5). The export stage writes to it and checks its own output with
 `check_export_dir`; the contract test pins it against the design, literally.
 
 Two profiles, picked by the trained draft's `use_domino_head`:

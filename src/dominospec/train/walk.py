@@ -15,7 +15,7 @@ For one reply occupying positions s..e-1 of a sequence (loss_mask True there):
         n = leading correct drafts at anchor a, at most k
         emitted += n + 1; rounds += 1; a += n + 1
 
-τ = Σ emitted ÷ Σ rounds over all replies (pooled, DESIGN §6).
+τ = Σ emitted ÷ Σ rounds over all replies (pooled, docs/design.md §6).
 """
 
 from __future__ import annotations
