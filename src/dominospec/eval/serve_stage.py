@@ -150,7 +150,7 @@ class Server:
 
     def failure(self, why: str, show_log: bool = False) -> UserError:
         """-> UserError: `why`; when the server has exited (or `show_log`), how it stands and its log's tail (kept)."""
-        code = self.proc.poll(); print("POLL", self.proc.pid, code, flush=True)
+        code = self.proc.poll()
         if code is None and not show_log:
             return UserError(why)
         self.keep_log = True
