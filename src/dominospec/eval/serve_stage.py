@@ -45,6 +45,7 @@ HOST = "127.0.0.1"
 POLL_S = 0.25  # between /health probes
 KILL_WAIT_S = 10.0  # after SIGKILL, the longest wait for the kernel to take the group down
 LOG_TAIL = 3000  # characters of the server's log in an error
+SETTLE_S = 1.0  # after a failed evaluation, the longest wait for a dying server's exit status
 
 
 def serve_eval(params: Params) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def serve_eval(params: Params) -> dict[str, Any]:
                                    extra={**extra, "startup_s": server.startup_s})
         except (UserError, httpx.HTTPError) as err:  # HTTPError: a connection the server dropped as it died
             why = str(err) if isinstance(err, UserError) else f"{server.url}: {type(err).__name__}: {err}"
-            raise server.failure(f"the served evaluation failed: {why}") from None
+            raise server.failure(f"the served evaluation failed: {why}", settle_s=SETTLE_S) from None
 
 
 def check_params(cfg: ServeEvalParams) -> None:
@@ -148,9 +149,13 @@ class Server:
                                        f"{timeout_s:g} s (serve_eval.startup_timeout_s)", show_log=True)
                 time.sleep(POLL_S)
 
-    def failure(self, why: str, show_log: bool = False) -> UserError:
-        """-> UserError: `why`; when the server has exited (or `show_log`), how it stands and its log's tail (kept)."""
-        code = self.proc.poll()
+    def failure(self, why: str, show_log: bool = False, settle_s: float = 0.0) -> UserError:
+        """-> UserError: `why`; when the server has exited (or `show_log`), how it stands and its log's tail (kept).
+        `settle_s`: how long to wait for a dying server to become reapable (its sockets close before that)."""
+        try:
+            code = self.proc.wait(timeout=settle_s) if settle_s else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            code = None
         if code is None and not show_log:
             return UserError(why)
         self.keep_log = True
