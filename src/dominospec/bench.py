@@ -324,7 +324,7 @@ def read_prompts(path: str | Path) -> dict[str, list[list[int]]]:
     of {"prompt_ids": [...], "suite": optional} (benchmarks/export_prompts.py writes one), in file order."""
     path = Path(path)
     if path.suffix == ".pt":
-        raw = torch.load(path, weights_only=False)
+        raw = torch.load(path, weights_only=True)  # prompt ids and tensors only: no pickled objects
         raw = raw if isinstance(raw, dict) else {"prompts": raw}
         return {name: [torch.as_tensor(p).tolist() for p in ps] for name, ps in raw.items()}
     out: dict[str, list[list[int]]] = {}
@@ -336,24 +336,23 @@ def read_prompts(path: str | Path) -> dict[str, list[list[int]]]:
 
 
 def flatten(seqs: list[torch.Tensor]) -> dict[str, Any]:
-    """Sequences of token ids (< 65536) -> {ids: uint16 numpy [sum T], offsets: int64 [n+1]}: small to carry."""
-    import numpy as np
-
-    lengths = [len(s) for s in seqs]
+    """Sequences of token ids (< 65536) -> {ids: uint16 [sum T], offsets: int64 [n+1]}: small to carry, and
+    plain tensors, which `torch.load(weights_only=True)` reads back."""
+    lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
     flat = torch.cat([s.to(torch.int64) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
-    return {"ids": flat.numpy().astype(np.uint16), "offsets": np.cumsum([0] + lengths)}
+    return {"ids": flat.to(torch.uint16), "offsets": lengths.cumsum(0)}
 
 
 def unflatten(packed: dict[str, Any]) -> list[torch.Tensor]:
     """The inverse of `flatten` -> int64 tensors."""
-    ids, off = torch.from_numpy(packed["ids"].astype("int64")), packed["offsets"]
+    ids, off = packed["ids"].to(torch.int64), packed["offsets"].tolist()
     return [ids[off[i]:off[i + 1]] for i in range(len(off) - 1)]
 
 
 def load_packed(path: str | Path) -> dict[str, Any]:
     """A `benchmarks/draft_study.py pack` file -> {train_prompts, val_prompts: [ids], orig: [(ids, loss_mask)],
     suites: {name: [ids]}, mask_token_id}."""
-    raw = torch.load(path, weights_only=False)
+    raw = torch.load(path, weights_only=True)  # prompt ids and tensors only: no pickled objects
     return {
         "train_prompts": unflatten(raw["train_prompts"]),
         "val_prompts": unflatten(raw["val_prompts"]),
@@ -365,7 +364,7 @@ def load_packed(path: str | Path) -> dict[str, Any]:
 
 def pack_suites(path: str | Path) -> dict[str, list[list[int]]]:
     """The held-out suites of a `draft_study.py pack` file -> prompt ids by suite."""
-    raw = torch.load(path, weights_only=False)
+    raw = torch.load(path, weights_only=True)  # prompt ids and tensors only: no pickled objects
     return {name: [p.tolist() for p in unflatten(packed)] for name, packed in raw["suites"].items()}
 
 

@@ -229,7 +229,7 @@ class ServeParams:
 
     host: str
     port: int
-    backend: Literal["auto", "sglang", "builtin"]  # auto: sglang when importable and CUDA is available
+    backend: Literal["auto", "sglang", "builtin"]  # auto: sglang when importable, CUDA is available and the target is not a GGUF
     mode: Literal["domino", "dominotree", "dflash", "ar"]  # built-in server only (SGLang serves what the draft's config says)
     num_draft: Union[int, Literal["auto"], None]  # built-in: K drafts per round, 1..block_size; null = B-1; auto = auto-K
     max_queue: int  # built-in: requests waiting for the engine; one more gets 503

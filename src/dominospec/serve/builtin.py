@@ -98,10 +98,14 @@ def run_builtin(params: Params, host: str, port: int) -> None:
         sock.close()
 
 
+CALIBRATION_PROMPT = "Explain in two sentences what a hash table is."  # any chat prompt: only its length matters
+
+
 def load_service(params: Params) -> "Service":
     """Params -> target, draft, engine and its (not yet started) worker, wrapped as a Service."""
     import torch
 
+    from dominospec.data.chat import render_prompt
     from dominospec.engine import SpecEngine, draft_dir, load_draft
     from dominospec.engine.configure import prepare_target
     from dominospec.serve.requests import sampling_defaults
@@ -122,6 +126,10 @@ def load_service(params: Params) -> "Service":
     engine = SpecEngine(target, draft, cfg.mode, cfg.num_draft if draft is not None else None,
                         dataclasses.replace(params.engine, linear=linear))
     engine.capture_all()  # on CUDA graphs: every shape captured before the first request
+    if engine.auto:  # auto-K's round cost, measured at start-up on a warm process, not inside the first request
+        ids = render_prompt(target.tokenizer, [{"role": "user", "content": CALIBRATION_PROMPT}])
+        engine.calibrate(ids)  # the first pass warms every shape's kernels and allocations: a cold one overprices rows
+        engine.calibrate(ids)
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
     return Service(
