@@ -13,24 +13,24 @@ import sys
 from typing import Optional, Sequence
 
 from dominospec.config import Params, load_params
-from dominospec.stages import STAGES, _resolve, _run, run_stage, stage_main  # noqa: F401 (stage_main: pipeline/)
+from dominospec.stages import STAGES, resolve, report_user_errors, run_stage, stage_main  # noqa: F401 (stage_main: pipeline/)
 
 def serve(params: Params, host: Optional[str] = None, port: Optional[int] = None, backend: Optional[str] = None,
           champion: bool = True) -> None:
     """`dominospec serve`: the backend is checked first (a launch that cannot run fails before the registry is
     read), then the draft is chosen (`with_champion`, unless `champion` is False or serve.mode is ar, which serves
     the target alone), then dominospec.serve.launch serves it. Here, because serve sits below retrain."""
-    chosen = _resolve("dominospec.serve.launch:resolve_backend")(backend or params.serve.backend, params.serve.mode,
+    chosen = resolve("dominospec.serve.launch:resolve_backend")(backend or params.serve.backend, params.serve.mode,
                                                                  params.target)
     if champion and params.serve.mode != "ar":
         params = with_champion(params)
-    _resolve("dominospec.serve.launch:serve")(params, host=host, port=port, backend=chosen)
+    resolve("dominospec.serve.launch:serve")(params, host=host, port=port, backend=chosen)
 
 
 def with_champion(params: Params) -> Params:
     """Params -> the same params with `paths.draft` at the registry's champion draft (retrain.registered_model,
     alias `champion`, set by `dominospec retrain`), when there is one; says which draft is served."""
-    champion = _resolve("dominospec.retrain.registry:champion_draft")(params)
+    champion = resolve("dominospec.retrain.registry:champion_draft")(params)
     if champion is None:
         print(f"serving {params.paths.draft} (no champion in the registry {params.mlflow.tracking_uri})", flush=True)
         return params
@@ -70,24 +70,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "evaluate" and args.concurrency is not None and not args.server:
         parser.error("--concurrency applies to --server only")
     if args.command == "evaluate" and args.server:
-        served = _resolve("dominospec.eval.served:evaluate_server")
-        return _run(lambda: served(load_params(args.params), args.server, out=args.out, prompts=args.prompts,
+        served = resolve("dominospec.eval.served:evaluate_server")
+        return report_user_errors(lambda: served(load_params(args.params), args.server, out=args.out, prompts=args.prompts,
                                    concurrency=args.concurrency))
     if args.command == "evaluate":
-        evaluate = _resolve(STAGES["evaluate"])
-        return _run(lambda: evaluate(load_params(args.params), prompts=args.prompts, out=args.out))
+        evaluate = resolve(STAGES["evaluate"])
+        return report_user_errors(lambda: evaluate(load_params(args.params), prompts=args.prompts, out=args.out))
     if args.command in STAGES:
-        return _run(lambda: run_stage(args.command, args.params))
+        return report_user_errors(lambda: run_stage(args.command, args.params))
     if args.command == "generate":
-        generate = _resolve("dominospec.eval.generate:generate")
-        return _run(lambda: generate(load_params(args.params), args.prompt, args.mode))
+        generate = resolve("dominospec.eval.generate:generate")
+        return report_user_errors(lambda: generate(load_params(args.params), args.prompt, args.mode))
     if args.command == "serve":
-        return _run(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend,
+        return report_user_errors(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend,
                                   champion=not args.no_champion))
     if args.command == "retrain":
-        retrain = _resolve("dominospec.retrain.job:retrain")
+        retrain = resolve("dominospec.retrain.job:retrain")
         report: dict = {}
-        code = _run(lambda: report.update(retrain(load_params(args.params))))
+        code = report_user_errors(lambda: report.update(retrain(load_params(args.params))))
         return code or (0 if report.get("decision") == "promoted" else 1)  # 1: the gate kept the champion
     parser.error(f"unknown command {args.command}")
     return 2

@@ -28,7 +28,7 @@ STAGES: dict[str, str] = {
 }
 
 
-def _resolve(spec: str) -> Callable[..., Any]:
+def resolve(spec: str) -> Callable[..., Any]:
     module, fn = spec.split(":")
     return getattr(importlib.import_module(module), fn)
 
@@ -36,10 +36,10 @@ def _resolve(spec: str) -> Callable[..., Any]:
 def run_stage(stage: str, params_path: str) -> None:
     """Validate the params file first (no work on bad params), then run the stage function."""
     params = load_params(params_path)
-    _resolve(STAGES[stage])(params)
+    resolve(STAGES[stage])(params)
 
 
-def _run(fn: Callable[[], None]) -> int:
+def report_user_errors(fn: Callable[[], None]) -> int:
     """Run `fn`, turning known user-facing errors into one line on stderr and exit code 2."""
     try:
         fn()
@@ -54,4 +54,4 @@ def stage_main(stage: str, argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=f"pipeline/{stage}.py", description=f"DVC stage `{stage}`")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
-    return _run(lambda: run_stage(stage, args.params))
+    return report_user_errors(lambda: run_stage(stage, args.params))
