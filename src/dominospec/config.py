@@ -204,6 +204,7 @@ class EvaluateParams:
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
     server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
     sampled_temperature: Optional[float]  # a second pass at this temperature: AR, the Domino chain, DominoTree; null = none
+    chain_comparison: bool  # with the head and engine.tree_width > 1: also decode Domino's chain (tree_width 1), mode `domino_chain`
 
 
 @dataclass(frozen=True)

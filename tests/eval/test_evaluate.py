@@ -74,7 +74,9 @@ def setup(tmp_path_factory):
     for key in raw["paths"]:
         raw["paths"][key] = str(root / key)
     raw["target"].update(model=str(target_dir), gguf_file=None, device="cpu", dtype="float32")
-    raw["evaluate"].update(suites=["sharegpt"], max_prompts=4, max_new_tokens=12, num_threads=1)
+    # both comparisons on, as in the GPU presets (the CPU default turns them off for time; tested below)
+    raw["evaluate"].update(suites=["sharegpt"], max_prompts=4, max_new_tokens=12, num_threads=1,
+                           sampled_temperature=0.7, chain_comparison=True)
     raw["mlflow"].update(tracking_uri=f"sqlite:///{root}/mlflow.db", artifact_location=str(root / "mlartifacts"))
     params_path = root / "params.yaml"
     params_path.write_text(yaml.safe_dump(raw))
@@ -198,6 +200,21 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
     chain = seen["options"].pop("domino_chain")  # the configured options with tree_width 1
     assert len({id(options) for options in seen["options"].values()}) == 1
     assert chain == dataclasses.replace(seen["options"]["domino"], tree_width=1) and chain.tree_width == 1
+
+
+def test_the_comparisons_off_run_neither_the_chain_nor_the_sampled_pass(setup, tmp_path):
+    """evaluate.chain_comparison false and sampled_temperature null (the CPU default): the four
+    modes and DominoTree, greedy only; the report says there was no sampled pass."""
+    params_path, _ = setup
+    raw = yaml.safe_load(params_path.read_text())
+    raw["evaluate"].update(sampled_temperature=None, chain_comparison=False, max_new_tokens=6)
+    off = tmp_path / "params.yaml"
+    off.write_text(yaml.safe_dump(raw))
+    report = evaluate(load_params(off), out=str(tmp_path / "off.json"))
+    suite = report["suites"]["sharegpt"]
+    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "dominotree"}
+    assert "sampled" not in suite and report["sampled_temperature"] is None
+    assert all(suite["modes"][m]["exact_match"] == 1.0 for m in ("ngram", "dflash", "domino", "dominotree"))
 
 
 def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path):

@@ -82,7 +82,7 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
                NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
         engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)
-        if options.tree_width > 1:  # the first-token tree's own chain, for comparison
+        if cfg.chain_comparison and options.tree_width > 1:  # the first-token tree's own chain, for comparison
             engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, dataclasses.replace(options, tree_width=1))
         engines[TREE] = SpecEngine(target, draft, TREE, cfg.num_draft, options)
     loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
