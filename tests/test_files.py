@@ -61,3 +61,27 @@ def test_sha256_file_matches_hashlib(tmp_path):
     data = os.urandom(files.CHUNK + 123)  # crosses a chunk boundary
     (tmp_path / "blob").write_bytes(data)
     assert files.sha256_file(tmp_path / "blob") == hashlib.sha256(data).hexdigest()
+
+
+def test_source_digest_follows_content_and_names_not_caches(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.py").write_text("x = 1\n")
+    (root / "sub" / "b.py").write_text("y = 2\n")
+    before = files.source_digest({"pkg": root})
+    (root / "sub" / "__pycache__").mkdir()
+    (root / "sub" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"compiled")
+    (root / "notes.txt").write_text("not code")
+    assert files.source_digest({"pkg": root}) == before
+    (root / "a.py").write_text("x = 2\n")
+    edited = files.source_digest({"pkg": root})
+    assert edited != before
+    (root / "a.py").rename(root / "c.py")
+    assert files.source_digest({"pkg": root}) not in (before, edited)  # same bytes under another name
+
+
+def test_code_digest_covers_the_package_its_models_and_kernels():
+    digest = files.code_digest()
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    roots = files.code_digest.__wrapped__  # the uncached computation gives the same value
+    assert roots() == digest

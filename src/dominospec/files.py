@@ -9,7 +9,9 @@ becomes a `UserError` naming the file and the free space, and leaves no temporar
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +21,8 @@ from typing import Any
 from dominospec.errors import UserError
 
 CHUNK = 1 << 22  # 4 MiB reads when hashing
+# The code a resumed stage would continue with: the package and its installed models and kernels
+CODE_PACKAGES = ("dominospec", "dominospec.models", "dominospec.kernels")
 TEMP_SUFFIX = ".tmp"  # write_atomic's temporary: `<name>.tmp` next to the destination
 
 
@@ -29,6 +33,30 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(CHUNK), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def source_digest(roots: dict[str, Path]) -> str:
+    """{name: folder} -> 16 hex of sha256 over every `*.py` below each folder, by name, relative
+    path and content (sorted; caches such as __pycache__ hold no .py files)."""
+    digest = hashlib.sha256()
+    for name, root in sorted(roots.items()):
+        for path in sorted(Path(root).rglob("*.py")):
+            digest.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """source_digest of the installed code (CODE_PACKAGES). Every resume fingerprint (regenerate's
+    journal, the cache manifest, train's run.json) includes it: work done by other code is redone,
+    never continued, so a stage re-run after a code change gives what the new code computes."""
+    roots = {}
+    for name in CODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for i, folder in enumerate(spec.submodule_search_locations or []):
+            roots[f"{name}:{i}"] = Path(folder)
+    return source_digest(roots)
 
 
 def free_bytes(path: str | Path) -> int:

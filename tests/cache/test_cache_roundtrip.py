@@ -125,6 +125,25 @@ def test_rerun_continues_and_changed_params_start_afresh(tmp_path, tiny_targets,
     assert (tmp_path / "cache" / "notes.txt").exists()  # files that are not the cache's are left alone
 
 
+def test_shards_of_other_code_are_recomputed(tmp_path, tiny_targets, loaded_targets, monkeypatch):
+    """The manifest's fingerprint holds the code digest: a re-run under other code reuses no shard."""
+    from dominospec import files
+
+    target = loaded_targets["llama"]
+    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES)
+    knobs = dict(num_feature_layers=2, layer_ids=None, max_train_conversations=None, max_val_conversations=None,
+                 batch_tokens=128, shard_tokens=150, dtype="bfloat16")
+    params = load_params(write_params(tmp_path / "params.yaml", tiny_targets["llama"], tmp_path, **knobs))
+    cache(params)
+    first = fmt.read_manifest(params.paths.cache)
+    monkeypatch.setattr(files, "code_digest", lambda: "other code")
+    cache(params)
+    second = fmt.read_manifest(params.paths.cache)
+    assert second.fingerprint != first.fingerprint and second.complete
+    metrics = json.loads((tmp_path / "metrics" / "cache.json").read_text())
+    assert metrics["computed_tokens"] == metrics["tokens"] > 0
+
+
 def test_other_rows_under_the_same_meta_are_another_cache(tmp_path, tiny_targets, loaded_targets):
     """meta.json does not name the replies: a regenerate run with another batch size writes the same meta
     and (in bf16) other tokens. The cache must recompute, and its fingerprint (what a resumed train

@@ -130,6 +130,25 @@ def test_a_killed_run_resumes_to_the_same_result(reference, prepared_params):
         assert _rows(resumed[split]) == _rows(regenerated[split])
 
 
+def test_a_journal_written_by_other_code_is_not_continued(prepared_params, monkeypatch, tmp_path):
+    """The journal's fingerprint holds the code digest: chunks another version decoded are redone."""
+    from dominospec.regenerate import stage
+    from dominospec.regenerate.journal import Journal
+
+    params, _ = prepared_params
+    prepared, meta = read_dataset(params.paths.prepared)
+
+    def journal(code: str) -> Journal:
+        monkeypatch.setattr(stage, "code_digest", lambda: code)
+        return Journal(tmp_path / "journal.jsonl", stage._fingerprint(params.regenerate, meta, prepared["train"], 2))
+
+    first = journal("old")
+    first.load()
+    first.append(0, [{"row": 0}])
+    assert journal("old").load() == {0: [{"row": 0}]}  # the same code continues
+    assert journal("new").load() == {}
+
+
 def test_batches_change_nothing_but_speed(prepared_params):
     """Greedy fp32: batches of 4 over the length-sorted rows give batch 1's rows, in the original order."""
     params, root = prepared_params

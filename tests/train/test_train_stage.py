@@ -208,6 +208,29 @@ def test_changed_params_start_afresh(tiny_cache, tmp_path):
     assert sorted(curve(tmp_path)) == [1, 2]
 
 
+def test_checkpoints_of_other_code_or_another_length_are_not_continued(tiny_cache, tmp_path, monkeypatch):
+    """A finished run re-run as it was continues its checkpoints (nothing left to do); under other code
+    (run.json's fingerprint holds the code digest) or with another max_steps (the cosine schedule
+    spans max_steps, so a longer run is another run) it starts afresh and trains every step."""
+    from dominospec.train import stage
+
+    def run(max_steps: int) -> dict:
+        stage.train(load_params(run_params(tiny_cache, tmp_path, max_steps=max_steps)))
+        return json.loads((tmp_path / "checkpoints" / "run.json").read_text())
+
+    first = run(2)
+    assert run(2) == first
+    longer = run(3)
+    assert longer["fingerprint"] != first["fingerprint"] and longer["mlflow_run_id"] != first["mlflow_run_id"]
+    assert json.loads((tmp_path / "metrics" / "train.json").read_text())["steps"] == 3
+    assert sorted(curve(tmp_path)) == [1, 2, 3]
+
+    monkeypatch.setattr(stage, "code_digest", lambda: "other code")
+    other_code = run(3)
+    assert other_code["fingerprint"] != longer["fingerprint"] and other_code["mlflow_run_id"] != longer["mlflow_run_id"]
+    assert sorted(curve(tmp_path)) == [1, 2, 3]
+
+
 @pytest.mark.slow
 def test_killed_training_resumes_when_rerun(tiny_cache, tmp_path):
     params = run_params(tiny_cache, tmp_path, max_steps=400, checkpoint_every_steps=5, val_every_steps=400)

@@ -18,8 +18,9 @@ Sequence i of a split is row i of the source split (dataset order); shard k hold
 those of shard k-1. A shard counts only once the manifest lists it with its sha256; shards are written
 under a temporary name and renamed, then the manifest is replaced atomically, so a killed writer never
 leaves a partial shard that counts. A re-run reuses shards when the manifest header (format version,
-target, layers, dtype, data fingerprint) matches; code is not part of it, so a change that alters what
-a shard holds for the same inputs must bump FORMAT_VERSION.
+target, layers, dtype, data fingerprint) matches. The fingerprint includes the installed code's
+digest (files.code_digest), so shards written by other code are recomputed, never continued;
+FORMAT_VERSION names the file layout this code reads.
 """
 
 from __future__ import annotations

@@ -174,6 +174,7 @@ def planned_manifest(
         "shard_tokens": params.shard_tokens,
         "sequences": {split: len(source.lengths[split]) for split in fmt.SPLITS},
         "rows": source.digests,
+        "code": files.code_digest(),  # other code may compute other features: never continue its shards
     }
     return fmt.Manifest(
         format_version=fmt.FORMAT_VERSION,

@@ -1,0 +1,1 @@
+"""Evaluation: the offline comparison of decoding modes, the served evaluation, the headline."""

@@ -50,7 +50,7 @@ from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_datas
 from dominospec.regenerate.journal import Journal
 from dominospec.regenerate.replies import first_prompt_length, rewrite_conversations
 from dominospec.engine.packed import pack_linears
-from dominospec.files import replace_path, temp_sibling, write_json
+from dominospec.files import code_digest, replace_path, temp_sibling, write_json
 from dominospec.target import DTYPES, Target, load_target
 
 COUNTS = ("replies_at_max_new_tokens", "replies_at_max_length", "replies_loop_cut")  # summed into the metrics
@@ -298,11 +298,12 @@ def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask
 
 
 def _fingerprint(cfg: RegenerateParams, meta: dict[str, Any], train: Dataset, count: int) -> dict[str, Any]:
-    """What a journal's work depends on: the params, the prepared data's meta and the rows rewritten."""
+    """What a journal's work depends on: the params, the prepared data's meta, the rows rewritten, the code."""
     h = hashlib.sha256()
     for row in train.select(range(count)).select_columns(["id", "messages"]):
         h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode())
-    return {"regenerate": dataclasses.asdict(cfg), "prepared_meta": meta, "train_rows": h.hexdigest()}
+    return {"regenerate": dataclasses.asdict(cfg), "prepared_meta": meta, "train_rows": h.hexdigest(),
+            "code": code_digest()}
 
 
 def _chunk_seed(seed: int, chunk: Any) -> int:

@@ -23,17 +23,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dominospec.config import Params, as_flat_dict
+from dominospec.files import code_digest
 from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 from dominospec.train.preempt import PreemptionCheckpoint, preemptible, raise_if_preempted
 
 
 def run_fingerprint(params: Params, data_fingerprint: str) -> str:
-    """Hash of everything that makes a checkpoint resumable: draft, train params, data, target."""
+    """Hash of everything that makes a checkpoint resumable: draft, train params, data, target, code."""
     keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
-    keys.pop("train.max_steps", None)  # extending a run keeps its checkpoints
     keys.pop("train.ce_kernel", None)  # the same losses either way: a run may resume on another device
-    blob = json.dumps({"params": keys, "data": data_fingerprint}, sort_keys=True, default=str)
+    blob = json.dumps({"params": keys, "data": data_fingerprint, "code": code_digest()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
