@@ -95,7 +95,9 @@ def test_features_differ_between_layers(loaded_targets):
     assert ((a - b).abs() > 2**-8 * a.abs() + 1e-3).float().mean() > 0.5
 
 
-def test_rerun_continues_and_changed_params_start_afresh(tmp_path, tiny_targets, loaded_targets):
+def test_rerun_continues_and_changed_params_or_code_start_afresh(tmp_path, tiny_targets, loaded_targets, monkeypatch):
+    from dominospec import files
+
     target = loaded_targets["llama"]
     save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES)
     knobs = dict(num_feature_layers=2, layer_ids=None, max_train_conversations=None, max_val_conversations=None,
@@ -124,22 +126,11 @@ def test_rerun_continues_and_changed_params_start_afresh(tmp_path, tiny_targets,
     assert {p.name for p in (tmp_path / "cache").glob("*.safetensors")} == listed
     assert (tmp_path / "cache" / "notes.txt").exists()  # files that are not the cache's are left alone
 
-
-def test_shards_of_other_code_are_recomputed(tmp_path, tiny_targets, loaded_targets, monkeypatch):
-    """The manifest's fingerprint holds the code digest: a re-run under other code reuses no shard."""
-    from dominospec import files
-
-    target = loaded_targets["llama"]
-    save_regenerated(tmp_path / "regenerated", target.identity.as_dict(), SIZES)
-    knobs = dict(num_feature_layers=2, layer_ids=None, max_train_conversations=None, max_val_conversations=None,
-                 batch_tokens=128, shard_tokens=150, dtype="bfloat16")
-    params = load_params(write_params(tmp_path / "params.yaml", tiny_targets["llama"], tmp_path, **knobs))
-    cache(params)
-    first = fmt.read_manifest(params.paths.cache)
+    # the manifest's fingerprint holds the code digest: under other code no shard is reused
     monkeypatch.setattr(files, "code_digest", lambda: "other code")
-    cache(params)
-    second = fmt.read_manifest(params.paths.cache)
-    assert second.fingerprint != first.fingerprint and second.complete
+    cache(changed)
+    third = fmt.read_manifest(changed.paths.cache)
+    assert third.fingerprint != second.fingerprint and third.complete
     metrics = json.loads((tmp_path / "metrics" / "cache.json").read_text())
     assert metrics["computed_tokens"] == metrics["tokens"] > 0
 
