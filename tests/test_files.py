@@ -81,7 +81,11 @@ def test_source_digest_follows_content_and_names_not_caches(tmp_path):
 
 
 def test_code_digest_covers_the_package_its_models_and_kernels():
-    digest = files.code_digest()
-    assert len(digest) == 16 and int(digest, 16) >= 0
-    roots = files.code_digest.__wrapped__  # the uncached computation gives the same value
-    assert roots() == digest
+    import importlib.util
+    from pathlib import Path
+
+    folders = {name: Path(importlib.util.find_spec(name).submodule_search_locations[0]) for name in files.CODE_PACKAGES}
+    assert (folders["dominospec.models"] / "domino" / "modeling_domino.py").is_file()  # the draft's code
+    assert next(folders["dominospec.kernels"].glob("*.py"), None) is not None  # the Triton kernels
+    expected = files.source_digest({f"{name}:0": folder for name, folder in folders.items()})
+    assert files.code_digest() == expected  # all three folders, none left out
