@@ -33,6 +33,11 @@ every mode runs in turn (interleaved, so all see the same machine drift):
                   and the speculative ones against "ar graphs" (lossless within the graph'd path)
     ... lean      the same on the lean decoder (`engine.lean_target`: fused Triton kernels, its own KV
                   caches, CUDA graphs); "ar lean" is our AR, the baseline of "× our graph AR" when it runs
+`--tree-nodes 64,128,256` runs DominoTree + fork at each budget, as modes "dominotree64+fork", ...
+`--temperature 0.7` adds a sampled pass of `--sampled-modes` on the same prompts (seeded per prompt,
+speed-ups over the first, our lean AR sampled); `--fp32-prompts 3` adds an fp32 pass of `--fp32-modes`
+on that many prompts a suite, each checked token for token against our lean AR in fp32 (result
+"e2e_fp32"); `--no-graph-ar` leaves transformers' compiled `generate` out.
 Every engine runs each shape once before timing (`SpecEngine.capture`), so no capture falls inside
 a timed prompt. `--reference` names the mode the others are checked against (default `ar`, eager:
 minutes a prompt in bf16, where no speculative mode is exact anyway; `ar lean` spares them).
@@ -63,16 +68,15 @@ import json
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
 
-from dominospec.bench import (HEAD_SHAPES, capture, environment, head_rollouts, interleave, load_target, log, median_ms,
-                              pack_suites, random_head, random_target, read_prompts, require_cuda, sync,
-                              until_stop, write_json)
+from dominospec.bench import (HEAD_SHAPES, QWEN3_8B, StaticGenerate, building, capture, environment, head_rollouts,
+                              interleave, load_target, log, median_ms, pack_suites, random_head, random_target,
+                              read_prompts, require_cuda, sync, write_json)
 from dominospec.bench import parser as make_parser
 
 MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree", "dominotree+fork",
@@ -81,22 +85,9 @@ MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+
          "domino+ngram lean", "domino+fork lean", "domino+tree lean", "dominotree+fork lean")
 GRAPHED = ("ar lean", "ar graphs")  # our CUDA-graph AR (the lean decoder's when it ran): the baseline of the graph'd modes
 TAUS = (2, 3, 4, 5)
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+GRAPH_AR_STATE = {True: "compiled", False: "NOT compiled", None: "not run"}
 SMOKE_QWEN3 = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-
-
-@contextmanager
-def building(device: torch.device, dtype: torch.dtype):
-    """Modules built inside are allocated (and initialised) on `device` in `dtype`: no fp32 CPU init of 8B."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,33 +128,6 @@ def load_prompts(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     return {name: ps[: args.max_prompts] for name, ps in suites.items() if ps}
 
 
-class GraphAR:
-    """HF `generate` with a static cache; on CUDA, transformers compiles the decode step
-    (torch.compile mode reduce-overhead: CUDA graphs). The cache is sized once by the warm-up on the
-    longest prompt, so later calls reuse the compiled graphs."""
-
-    def __init__(self, target: Any, stops: list[int], longest: list[int], max_new: int):
-        from transformers import CompileConfig
-
-        self.model, self.device, self.stops = target.model, target.device, stops
-        self.kwargs = dict(do_sample=False, eos_token_id=stops, pad_token_id=stops[0], cache_implementation="static",
-                           compile_config=CompileConfig(fullgraph=False, mode="reduce-overhead"))
-        tick = time.perf_counter()
-        self(longest, max_new)  # compiles and records, sizes the static cache
-        self(longest[: max(1, len(longest) // 2)], 16)
-        self.warmup_s = time.perf_counter() - tick
-        self.compiled = hasattr(self.model, "_compiled_call")  # set by transformers when it compiled
-
-    def __call__(self, prompt: list[int], max_new: int) -> list[int]:
-        """Prompt ids -> greedy new tokens (stop token included, as the engine returns them)."""
-        ids = torch.tensor([prompt], device=self.device)
-        if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
-            torch.compiler.cudagraph_mark_step_begin()
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                  **self.kwargs)
-        return until_stop(out[0, len(prompt):].tolist(), self.stops)
-
-
 def load_e2e(args: argparse.Namespace, device: torch.device):
     """-> (target, draft) for the e2e part."""
     if args.smoke:
@@ -176,8 +140,35 @@ def load_e2e(args: argparse.Namespace, device: torch.device):
     return target, load_draft(args.draft, target)
 
 
-def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
-    """Fills result["e2e"]: settings, per-prompt records, per-mode summaries, divergences."""
+def tree_mode(nodes: int, budgets: list[int]) -> str:
+    """The name of DominoTree + fork at a node budget: "dominotree+fork" when one budget is run, else
+    "dominotree<N>+fork" (suffixes " graphs" / " lean" follow)."""
+    return "dominotree+fork" if len(budgets) == 1 else f"dominotree{nodes}+fork"
+
+
+def all_modes(budgets: list[int]) -> list[str]:
+    """MODES with "dominotree+fork" expanded to one mode per node budget."""
+    out = []
+    for mode in MODES:
+        base, _, suffix = mode.partition(" ")
+        names = [tree_mode(n, budgets) for n in budgets] if base == "dominotree+fork" else [base]
+        out += [f"{name} {suffix}".strip() for name in names]
+    return out
+
+
+def expand_modes(wanted: list[str], budgets: list[int]) -> list[str]:
+    """Asked-for modes -> mode names; "dominotree+fork[ suffix]" means every budget's."""
+    out = []
+    for mode in wanted:
+        base, _, suffix = mode.strip().partition(" ")
+        names = [tree_mode(n, budgets) for n in budgets] if base == "dominotree+fork" else [base]
+        out += [f"{name} {suffix}".strip() for name in names]
+    return out
+
+
+def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = "e2e") -> None:
+    """Fills result[key]: settings, per-prompt records, per-mode summaries, divergences; then, with
+    --temperature, result[key + "_sampled"]: the sampled pass of --sampled-modes on the same prompts."""
     from dominospec.bench import plain_engine
     from dominospec.config import load_params
     from dominospec.engine import SpecEngine
@@ -206,19 +197,21 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
             "domino+tree" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
                                                                    tree_width=args.tree_width)),
-            "dominotree+fork" + suffix: SpecEngine(target, draft, "dominotree", args.num_draft,
-                                                   dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
-                                                                       tree_nodes=args.tree_nodes,
-                                                                       tree_children=args.tree_children)),
         })
-    wanted = set(args.modes.split(",")) | {args.reference, "graph ar"}
+        for nodes in args.tree_nodes:  # one engine per node budget
+            engines[tree_mode(nodes, args.tree_nodes) + suffix] = SpecEngine(
+                target, draft, "dominotree", args.num_draft,
+                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True, tree_nodes=nodes,
+                                    tree_children=args.tree_children))
+    wanted = set(expand_modes(args.modes.split(","), args.tree_nodes)) | {args.reference} | (
+        {"graph ar"} if args.graph_ar else set())
     if any(m.endswith(" graphs") for m in wanted):
         wanted.add("ar graphs")
     if any(m.endswith(" lean") for m in wanted):
         wanted.add("ar lean")
-    modes = [m for m in MODES if m in wanted]
+    modes = [m for m in all_modes(args.tree_nodes) if m in wanted]
     engines = {m: e for m, e in engines.items() if m in wanted}
-    e2e = result["e2e"] = dict(
+    e2e = result[key] = dict(
         target=target.identity.name, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
         block_size=draft.config.block_size, num_draft=args.num_draft or draft.config.block_size - 1,
         ngram_num_draft=options.ngram_num_draft, modes=modes, graph_capacity=args.graph_capacity, candidate_pool=args.pool, head_kernel=options.head_kernel,
@@ -236,10 +229,12 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     log(f"e2e: engines warm in {time.perf_counter() - tick:.1f} s; graph capture failures: "
         f"{e2e['graph_failures'] or 'none'}")
     stops = sorted(next(iter(engines.values())).stop_ids)
-    graph = GraphAR(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
-    e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
-    log(f"e2e: warm, graph ar {'compiled (CUDA graphs)' if graph.compiled else 'NOT compiled (static cache only)'} "
-        f"in {graph.warmup_s:.1f} s")
+    graph = None
+    if "graph ar" in modes:
+        graph = StaticGenerate(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
+        e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
+        log(f"e2e: warm, graph ar {'compiled (CUDA graphs)' if graph.compiled else 'NOT compiled (static cache only)'} "
+            f"in {graph.warmup_s:.1f} s")
 
     gens: dict[str, list] = {m: [] for m in engines}
     started = time.perf_counter()
@@ -251,7 +246,7 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
         for mode in modes:
             sync(cuda)
             tick = time.perf_counter()
-            if mode == "graph ar":
+            if mode == "graph ar" and graph is not None:
                 tokens, stats = graph(prompt, args.new_tokens), None
             else:
                 g = engines[mode].generate(prompt, args.new_tokens)
@@ -301,6 +296,46 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict) -> None:
     for r in e2e["records"]:
         for run in r["runs"].values():
             del run["tokens"]  # keep the JSON small; the divergences stay
+    if args.temperature:
+        result[key + "_sampled"] = run_sampled(args, engines, plan, time.perf_counter() + args.sampled_seconds)
+
+
+def run_sampled(args: argparse.Namespace, engines: dict, plan: list, deadline: float) -> dict:
+    """The --sampled-modes at --temperature on the same prompts, interleaved, each prompt seeded alike
+    for every mode -> τ, tokens/s and × the first mode (our AR, sampled). Lossless sampling is
+    checked by the chi-square tests on the CPU; here only the speed is measured."""
+    from dominospec.engine import Sampling
+    from dominospec.eval.report import pooled
+
+    sampling = Sampling(temperature=args.temperature)
+    modes = [m for m in expand_modes(args.sampled_modes.split(","), args.tree_nodes) if m in engines]
+    for mode in modes:  # the sampled shapes' graphs (the tree's grower per (K, sampling)) before timing
+        engines[mode].generate(plan[0][1], 4 * engines[mode].block_size, sampling=sampling, seed=0)
+    gens: dict[str, list] = {m: [] for m in modes}
+    seconds = {m: 0.0 for m in modes}
+    cuda = torch.cuda.is_available()
+    for i, (_, prompt) in enumerate(plan):
+        if time.perf_counter() > deadline:
+            log(f"sampled: budget reached, {i} of {len(plan)} prompts done")
+            break
+        for mode in modes:
+            sync(cuda)
+            tick = time.perf_counter()
+            gens[mode].append(engines[mode].generate(prompt, args.new_tokens, sampling=sampling, seed=1000 + i))
+            sync(cuda)
+            seconds[mode] += time.perf_counter() - tick
+    out = dict(temperature=args.temperature, modes=modes, prompts=len(gens[modes[0]]) if modes else 0, summary={})
+    for mode in modes:
+        new = sum(len(g.token_ids) for g in gens[mode])
+        p = pooled(gens[mode])
+        out["summary"][mode] = dict(tau=p["acceptance_length"], tau_se=p["acceptance_length_se"], new_tokens=new, seconds=round(seconds[mode], 3),
+                                    tokens_per_s=new / seconds[mode] if seconds[mode] else None)
+    base = out["summary"][modes[0]]["tokens_per_s"] if modes else None
+    for m in out["summary"].values():
+        m["speedup_vs_first"] = m["tokens_per_s"] / base if base and m["tokens_per_s"] else None
+    log(f"sampled T = {args.temperature}: " + ", ".join(f"{m} τ {v['tau']:.2f} {v['tokens_per_s']:.0f} tok/s"
+                                                      for m, v in out["summary"].items()))
+    return out
 
 
 def summarize(records: list[dict]) -> dict[str, dict]:
@@ -327,7 +362,7 @@ def summarize(records: list[dict]) -> dict[str, dict]:
                                       for i, x in enumerate(runs) if x["divergence"] is not None])
     for mode, m in out.items():
         m["speedup_vs_ar"] = m["tokens_per_s"] / out["ar"]["tokens_per_s"] if "ar" in out else None
-        m["speedup_vs_graph_ar"] = m["tokens_per_s"] / out["graph ar"]["tokens_per_s"]
+        m["speedup_vs_graph_ar"] = m["tokens_per_s"] / out["graph ar"]["tokens_per_s"] if "graph ar" in out else None
         ours = next((out[g] for g in GRAPHED if g in out), None)
         m["speedup_vs_our_graph_ar"] = m["tokens_per_s"] / ours["tokens_per_s"] if ours else None
     return out
@@ -502,7 +537,7 @@ def run_projection(args: argparse.Namespace, result: dict) -> None:
                                        prefix=prefix, context_rows=args.context_rows, reps=args.reps)
     tick = time.perf_counter()
     with building(device, dtype):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(tie_word_embeddings=False, **proj["target"]))
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**{"tie_word_embeddings": False, **proj["target"]}))
         n = proj["target"]["num_hidden_layers"]
         layer_ids = [1, 9, 17, 25, 33] if not args.smoke else [0, 2]
         cfg = dict(block_size=16, num_target_layers=n, dflash_config=dict(target_layer_ids=layer_ids))
@@ -551,31 +586,47 @@ def fmt(x: Optional[float], digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def e2e_table(result: dict, key: str) -> list[str]:
+    """The end-to-end part result[key] -> its markdown table's lines (none when it did not run)."""
+    e2e = result.get(key)
+    if not (e2e and "summary" in e2e):
+        return []
+    lines: list[str] = [""] if key != "e2e" else []
+    s = e2e["summary"]
+    suites = [k for k in s if k != "all"]
+    lines += [f"(ii) end to end ({key}): {e2e['target']} {e2e['dtype']}, {result['device']}, greedy, batch 1, "
+              f"{e2e['max_new_tokens']} new tokens, B = {e2e['block_size']}, K = {e2e['num_draft']} "
+              f"(ngram {e2e['ngram_num_draft']}), pool {e2e['candidate_pool']}, head {e2e['head_kernel']}; "
+              f"{e2e['prompts_done']} of {e2e['prompts_planned']} prompts ({', '.join(suites)}); graph ar "
+              f"{GRAPH_AR_STATE[e2e.get('graph_ar_compiled')]}", "",
+              f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × HF graph AR | × our graph AR "
+              f"| exact vs {e2e.get('reference', 'ar')} | exact vs our graph AR | divergences (at, top-2 margin) | "
+              "device: draft / chain / verify ms per round | host: plan / launch / wait / commit ms | wall ms per round |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in s["all"].items():
+        by_suite = " / ".join(fmt(s[k][mode]["tau"]) if mode in s[k] else "–" for k in suites)
+        div = "; ".join(f"{d['at']}, {d['margin']}" for d in m["divergences"][:4]) + (" …" if len(m["divergences"]) > 4 else "")
+        phases = " / ".join(fmt(m.get(k)) for k in ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round")) \
+            if "verify_ms_per_round" in m else (f"step {fmt(m['ms_per_step'])}" if "ms_per_step" in m else "")
+        exact_g = "–" if m.get("exact_vs_graphs") is None else f"{100 * m['exact_vs_graphs']:.0f} %"
+        host = " / ".join(fmt(v) for v in m["host_ms_per_round"].values()) if m.get("host_ms_per_round") else ""
+        lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {by_suite} | {fmt(m['tokens_per_s'], 1)} | "
+                     f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {fmt(m.get('speedup_vs_our_graph_ar'))} | "
+                     f"{100 * m['exact']:.0f} % | {exact_g} | {div} | {phases} | {host} | {fmt(m.get('wall_ms_per_round'))} |")
+    return lines
+
+
 def tables(result: dict) -> str:
     lines = []
-    e2e = result.get("e2e")
-    if e2e and "summary" in e2e:
-        s = e2e["summary"]
-        suites = [k for k in s if k != "all"]
-        lines += [f"(ii) end to end: {e2e['target']} {e2e['dtype']}, {result['device']}, greedy, batch 1, "
-                  f"{e2e['max_new_tokens']} new tokens, B = {e2e['block_size']}, K = {e2e['num_draft']} "
-                  f"(ngram {e2e['ngram_num_draft']}), pool {e2e['candidate_pool']}, head {e2e['head_kernel']}; "
-                  f"{e2e['prompts_done']} of {e2e['prompts_planned']} prompts ({', '.join(suites)}); graph ar "
-                  f"{'compiled' if e2e['graph_ar_compiled'] else 'NOT compiled'}", "",
-                  f"| mode | τ ± SE | τ {' / '.join(suites)} | tokens/s | × eager AR | × HF graph AR | × our graph AR "
-                  f"| exact vs {e2e.get('reference', 'ar')} | exact vs our graph AR | divergences (at, top-2 margin) | "
-                  "device: draft / chain / verify ms per round | host: plan / launch / wait / commit ms | wall ms per round |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for mode, m in s["all"].items():
-            by_suite = " / ".join(fmt(s[k][mode]["tau"]) if mode in s[k] else "–" for k in suites)
-            div = "; ".join(f"{d['at']}, {d['margin']}" for d in m["divergences"][:4]) + (" …" if len(m["divergences"]) > 4 else "")
-            phases = " / ".join(fmt(m.get(k)) for k in ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round")) \
-                if "verify_ms_per_round" in m else (f"step {fmt(m['ms_per_step'])}" if "ms_per_step" in m else "")
-            exact_g = "–" if m.get("exact_vs_graphs") is None else f"{100 * m['exact_vs_graphs']:.0f} %"
-            host = " / ".join(fmt(v) for v in m["host_ms_per_round"].values()) if m.get("host_ms_per_round") else ""
-            lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {by_suite} | {fmt(m['tokens_per_s'], 1)} | "
-                         f"{fmt(m['speedup_vs_ar'])} | {fmt(m['speedup_vs_graph_ar'])} | {fmt(m.get('speedup_vs_our_graph_ar'))} | "
-                         f"{100 * m['exact']:.0f} % | {exact_g} | {div} | {phases} | {host} | {fmt(m.get('wall_ms_per_round'))} |")
+    for key in ("e2e", "e2e_fp32"):
+        lines += e2e_table(result, key)
+        sampled = result.get(key + "_sampled")
+        if sampled and sampled.get("summary"):
+            lines += ["", f"sampled, T = {sampled['temperature']}, {sampled['prompts']} prompts, the same seeds per prompt", "",
+                      "| mode | τ ± SE | tokens/s | × " + sampled["modes"][0] + " |", "|---|---|---|---|"]
+            for mode, m in sampled["summary"].items():
+                lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {fmt(m['tokens_per_s'], 1)} | "
+                             f"{fmt(m['speedup_vs_first'])} |")
     proj = result.get("projection")
     if proj and "rows" in proj:
         lines += ["", f"(iv) {proj['label']}: {proj['shapes']} shapes, {proj['dtype']}, KV prefix {proj['prefix']}, "
@@ -585,7 +636,7 @@ def tables(result: dict) -> str:
         for r in proj["rows"]:
             lines.append(f"| {r['K']} | {r['setting']} | {r['t_ar']:.3f} | {r['t_draft']:.3f} | {r['t_head']:.3f} | "
                          f"{r['t_verify']:.3f} | {r['t_round']:.3f} | " + " | ".join(fmt(r["speedup"][t]) for t in TAUS) + " |")
-    for part in ("e2e", "projection"):
+    for part in ("e2e", "e2e_fp32", "projection"):
         if result.get(f"{part}_error"):
             lines += ["", f"{part} FAILED: {result[f'{part}_error'].strip().splitlines()[-1]}"]
     return "\n".join(lines)
@@ -606,7 +657,8 @@ def main() -> None:
                         help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
     parser.add_argument("--tree-width", type=int, default=4, help="domino+tree: the draft's W best first tokens as W branches")
-    parser.add_argument("--tree-nodes", type=int, default=28, help="dominotree+fork: the best-first tree's node budget N")
+    parser.add_argument("--tree-nodes", type=lambda v: [int(n) for n in v.split(",")], default=[28],
+                        help="dominotree+fork: the best-first tree's node budget N, or several (64,128,256: one mode each)")
     parser.add_argument("--tree-children", type=int, default=4, help="dominotree+fork: children offered per expansion")
     parser.add_argument("--graph-capacity", type=int, default=2048, help="rows of the graph modes' static caches")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (the reference and graph ar always run)")
@@ -618,6 +670,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="(iv) timed calls per shape (median)")
     parser.add_argument("--head-json", help="(iv) JSON of benchmarks/head_kernels_gpu.py")
     parser.add_argument("--head-row", default="triton + graph", help="(iv) its row used as the head time")
+    parser.add_argument("--no-graph-ar", dest="graph_ar", action="store_false",
+                        help="leave out transformers' compiled generate (it always runs otherwise)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="after the greedy pass, the --sampled-modes at this temperature on the same prompts")
+    parser.add_argument("--sampled-seconds", type=float, default=120, help="the sampled pass's own time budget")
+    parser.add_argument("--sampled-modes", default="ar lean,domino+fork lean,dominotree+fork lean",
+                        help="the sampled pass's modes; the first is the baseline of its speed-ups")
+    parser.add_argument("--fp32-prompts", type=int, default=0,
+                        help="then an fp32 pass of the --fp32-modes on this many prompts a suite, checked token for "
+                             "token against our lean AR in fp32")
+    parser.add_argument("--fp32-modes", default="ar lean,domino+fork lean,dominotree+fork lean")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-projection", action="store_true")
     args = parser.parse_args()
@@ -631,8 +694,12 @@ def main() -> None:
     cuda = torch.cuda.is_available() and (not args.smoke or args.smoke_on_gpu)
     result: dict[str, Any] = dict(**environment(cuda, draft=None if args.smoke else args.draft), smoke=args.smoke,
                                   budget_seconds=args.budget_seconds)
+    fp32 = argparse.Namespace(**{**vars(args), "dtype": "float32", "max_prompts": args.fp32_prompts, "temperature": 0.0,
+                                 "modes": args.fp32_modes, "reference": "ar lean", "graph_ar": False})
     for part, skip, fn in (("projection", args.skip_projection, lambda: run_projection(args, result)),
-                           ("e2e", args.skip_e2e, lambda: run_e2e(args, started + args.budget_seconds - 10, result))):
+                           ("e2e", args.skip_e2e, lambda: run_e2e(args, started + args.budget_seconds - 10, result)),
+                           ("e2e_fp32", args.skip_e2e or not args.fp32_prompts,
+                            lambda: run_e2e(fp32, started + args.budget_seconds + 10 ** 6, result, "e2e_fp32"))):
         if skip:
             continue
         try:
@@ -646,7 +713,7 @@ def main() -> None:
     print(f"\n{result['device']}, torch {result['torch']}, transformers {result['transformers']}, triton {result['triton']}, "
           f"{result['date']}, {result['seconds']} s; JSON: {args.out}\n")
     print(tables(result))
-    failed = any(result.get(f"{p}_error") for p in ("e2e", "projection")) or not result.get("projection", {}).get("ok", True)
+    failed = any(result.get(f"{p}_error") for p in ("e2e", "e2e_fp32", "projection")) or not result.get("projection", {}).get("ok", True)
     sys.exit(1 if failed else 0)
 
 

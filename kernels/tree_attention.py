@@ -1,4 +1,4 @@
-"""Attention of a draft tree's T rows (T <= 64) over the KV cache, one launch, CUDA-graph capturable.
+"""Attention of a draft tree's T rows (T <= 320) over the KV cache, one launch, CUDA-graph capturable.
 
 Cache layout k_cache, v_cache [Hkv, C, D]: rows 0 .. start-1 are the committed context, rows
 start .. start+T-1 hold this forward's T tokens (already written by rope_cache), rows past that
@@ -6,8 +6,9 @@ are never read. `start` is a 0-d long tensor on the device, read by the kernel, 
 the launch do not depend on it (a captured graph replays for any start) while the column loop
 stops at start + T: the cost follows the context, not the capacity C.
 
-Visibility is one int64 bitmask per row, visible [T]: row i sees every context row (< start) and
-this forward's row j (cache row start + j) iff bit j of visible[i] is set (bit 63 is the sign bit).
+Visibility is a bitmask of W int64 words per row, visible [T, W] (W >= cdiv(T, 64); a 1-D [T] is
+one word a row): row i sees every context row (< start) and this forward's row j (cache row
+start + j) iff bit j % 64 of word j // 64 of visible[i] is set (bit 63 of a word is its sign bit).
 Row i must see itself (so no row is empty). Grouped-query heads: q head h reads kv head h // (Hq/Hkv).
 
     out[t, h] = softmax(q[t, h] · K[kv(h)]ᵀ · scale over the visible columns) · V[kv(h)]
@@ -16,9 +17,9 @@ Kernel: flash-attention with an online softmax in fp32 (exp2 domain). Program (k
 stacks the G = Hq/Hkv query heads sharing that kv head for all T rows as its M dimension
 (m = t·G + g, padded to a power of two >= 16, tiles of at most 64 rows), so each K/V block is read
 once for G·T query rows. head_dim is padded likewise to BLOCK_D >= 16 (masked loads: any D runs;
-a power of two >= 16 needs no mask). Full context blocks run without masks; the last one or two
-blocks (context tail + the tree) apply the bitmask. q·Kᵀ runs on tl.dot from the storage dtype with fp32
-accumulation (IEEE fp32 for fp32 inputs, no TF32); the probabilities are rounded to the storage
+a power of two >= 16 needs no mask). Full context blocks run without masks; the last few blocks
+(context tail + the tree: T / BLOCK_N + 2 at most) apply the bitmask, each gathering its rows'
+words. q·Kᵀ runs on tl.dot from the storage dtype with fp32 accumulation (IEEE fp32 for fp32 inputs, no TF32); the probabilities are rounded to the storage
 dtype for P·V, as HF's eager and SDPA attention do. Under TRITON_INTERPRET=1 the dot operands are
 widened to fp32 first (same values: the interpreter's tl.dot multiplies bf16's raw bits otherwise).
 
@@ -47,14 +48,15 @@ import triton.language as tl
 
 from dominospec.kernels.rms_norm import round_rtne
 
-MAX_ROWS = 64  # bits of an int64 mask
+MAX_ROWS = 320  # rows of one forward: a verify of 1 + 256 tree nodes + a lookup chain fits (5 words a row)
+WORD = 64  # bits of one int64 word of a row's mask
 
 # ---- reference --------------------------------------------------------------------------------
 
 
 def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                              visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], caches [Hkv, C, D], start 0-d long, visible [T] int64 -> out [T, Hq, D] (q's dtype).
+    """q [T, Hq, D], caches [Hkv, C, D], start 0-d long, visible [T] or [T, W] int64 -> out [T, Hq, D] (q's dtype).
 
     Plain math over the [T, start + T] mask, in fp32 (fp64 for fp64 inputs); reads `start` on the host.
     """
@@ -74,22 +76,28 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 # ---- bitmask helpers (pure torch, no host reads: capturable) ----------------------------------
 
 
-def bits_from_visible(visible: torch.Tensor) -> torch.Tensor:
-    """visible [T, T] bool (row i sees tree row j) -> [T] int64, bit j of row i set iff visible[i, j]."""
+def bits_from_visible(visible: torch.Tensor, words: Optional[int] = None) -> torch.Tensor:
+    """visible [T, T] bool (row i sees tree row j) -> [T, W] int64 (W = `words`, default cdiv(T, 64)):
+    bit j % 64 of word j // 64 of row i set iff visible[i, j]."""
     T = visible.shape[0]
-    assert visible.shape == (T, T) and T <= MAX_ROWS
-    shifts = torch.arange(T, device=visible.device)
-    return (visible.long() << shifts).sum(-1)  # disjoint bits: the sum is their OR (bit 63 wraps to the sign)
+    W = -(-T // WORD) if words is None else words
+    assert visible.shape == (T, T) and T <= MAX_ROWS and W * WORD >= T
+    padded = torch.zeros(T, W * WORD, dtype=torch.long, device=visible.device)
+    padded[:, :T] = visible.long()
+    shifts = torch.arange(WORD, device=visible.device)
+    return (padded.view(T, W, WORD) << shifts).sum(-1)  # disjoint bits: the sum is their OR (bit 63 wraps to the sign)
 
 
 def visible_from_bits(visible: torch.Tensor) -> torch.Tensor:
-    """visible [T] int64 bitmasks -> [T, T] bool (bit j of row i)."""
+    """visible [T] or [T, W] int64 bitmasks -> [T, T] bool (bit j % 64 of word j // 64 of row i)."""
     T = visible.shape[0]
-    return ((visible[:, None] >> torch.arange(T, device=visible.device)) & 1).bool()
+    words = visible.reshape(T, -1)
+    bits = (words[:, :, None] >> torch.arange(WORD, device=visible.device)) & 1  # [T, W, 64]
+    return bits.reshape(T, -1)[:, :T].bool()
 
 
 def causal_bits(T: int, device) -> torch.Tensor:
-    """[T] int64 bitmasks of a causal block: row i sees rows 0 .. i."""
+    """[T, cdiv(T, 64)] int64 bitmasks of a causal block: row i sees rows 0 .. i."""
     return bits_from_visible(torch.ones(T, T, dtype=torch.bool, device=device).tril())
 
 
@@ -97,13 +105,14 @@ def causal_bits(T: int, device) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, vis, k_base, v_base, n0, start, end, stride_kc, stride_vc, qk_scale,
-                  offs_d, mask_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
+def _attend_block(acc, m_i, l_i, q, vis_rows, mask_m, k_base, v_base, n0, start, end, stride_kc, stride_vc,
+                  qk_scale, offs_d, mask_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
                   DOT_FP32: tl.constexpr):
     """One block of BLOCK_N cache rows n0 .. n0+BLOCK_N-1 folded into the online softmax.
 
     acc [BLOCK_M, D], m_i / l_i [BLOCK_M] fp32 (running max in the log2 domain, running sum).
-    MASKED: columns >= end are not loaded, tree columns follow the row's bitmask `vis`.
+    MASKED: columns >= end are not loaded, tree columns follow the row's bitmask: word j // 64 at
+    `vis_rows` [BLOCK_M] (pointers to each row's first word; padded rows, mask_m false, see nothing).
     PAD_D: head_dim < BLOCK_D, the columns past it (mask_d false) are loaded as 0.
     DOT_FP32: K, V (and q, by the caller) go to tl.dot as fp32 (exact for bf16 values).
     """
@@ -128,7 +137,9 @@ def _attend_block(acc, m_i, l_i, q, vis, k_base, v_base, n0, start, end, stride_
     if MASKED:
         j = offs_n - start  # tree column, where 0 <= j < T
         in_tree = (j >= 0) & valid
-        bit = (vis[:, None] >> tl.where(in_tree, j, 0)[None, :]) & 1
+        col = tl.where(in_tree, j, 0)
+        word = tl.load(vis_rows[:, None] + (col // 64)[None, :], mask=mask_m[:, None] & in_tree[None, :], other=0)
+        bit = (word >> (col % 64)[None, :]) & 1
         seen = (j < 0)[None, :] | (in_tree[None, :] & (bit != 0))
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -176,7 +187,7 @@ def _combine_splits(part_ptr, stats_ptr, first_row, n_used, local, mask_m, offs_
 
 @triton.jit
 def _tree_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, vis_ptr, part_ptr, stats_ptr, count_ptr, T, G, qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, vis_ptr, part_ptr, stats_ptr, count_ptr, T, G, qk_scale, stride_vt,
     stride_qt, stride_qh, stride_kh, stride_kc, stride_vh, stride_vc, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     MIN_SPAN: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -202,7 +213,7 @@ def _tree_attention_fwd_kernel(
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D], storage dtype
     if DOT_FP32:
         q = q.to(tl.float32)
-    vis = tl.load(vis_ptr + t, mask=mask_m, other=0)  # [BLOCK_M] int64; padded rows see no tree column
+    vis_rows = vis_ptr + t.to(tl.int64) * stride_vt  # [BLOCK_M]: each row's first mask word
     start = tl.load(start_ptr).to(tl.int64)
     end = start + T
     span = tl.maximum(tl.cdiv(end, SPLITS * BLOCK_N), MIN_SPAN) * BLOCK_N  # columns of one run, whole blocks
@@ -215,11 +226,11 @@ def _tree_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, vis, k_base, v_base, n0, start, end, stride_kc, stride_vc,
-                                      qk_scale, offs_d, mask_d, BLOCK_N, False, D != BLOCK_D, DOT_FP32)
-    for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):  # context tail + the tree: <= 2 blocks if T <= BLOCK_N
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, vis, k_base, v_base, n0, start, end, stride_kc, stride_vc,
-                                      qk_scale, offs_d, mask_d, BLOCK_N, True, D != BLOCK_D, DOT_FP32)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, vis_rows, mask_m, k_base, v_base, n0, start, end, stride_kc,
+                                      stride_vc, qk_scale, offs_d, mask_d, BLOCK_N, False, D != BLOCK_D, DOT_FP32)
+    for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):  # context tail + the tree: <= T / BLOCK_N + 2 blocks
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, vis_rows, mask_m, k_base, v_base, n0, start, end, stride_kc,
+                                      stride_vc, qk_scale, offs_d, mask_d, BLOCK_N, True, D != BLOCK_D, DOT_FP32)
     o_ptrs = out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
     n_used = tl.cdiv(end, span)
     if SPLITS == 1:
@@ -305,8 +316,8 @@ def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                    visible: torch.Tensor, scale: float, workspace: Optional[AttentionWorkspace] = None,
                    block_n: int = 64) -> torch.Tensor:
-    """q [T, Hq, D], caches [Hkv, C, D], start 0-d long (device), visible [T] int64 (device)
-    -> out [T, Hq, D] in q's dtype (contiguous). One launch, fixed grid, no host sync.
+    """q [T, Hq, D], caches [Hkv, C, D], start 0-d long (device), visible [T] or [T, W] int64 (device,
+    W >= cdiv(T, 64)) -> out [T, Hq, D] in q's dtype (contiguous). One launch, fixed grid, no host sync.
 
     `workspace` (tree_attention_workspace) fixes the splits; without one a fresh one is made per
     call (a zero-fill before the launch: pass one to keep a captured graph at one node a call).
@@ -317,7 +328,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     assert 1 <= T <= MAX_ROWS and Hq % Hkv == 0 and Dk == D and v_cache.shape == k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert visible.shape == (T,) and visible.dtype == torch.int64 and start.numel() == 1
+    words = visible.reshape(T, -1).contiguous()  # [T, W]
+    assert visible.shape[0] == T and words.shape[1] * WORD >= T and visible.dtype == torch.int64 and start.numel() == 1
     ws = tree_attention_workspace(T, Hq, Hkv, D, q.device) if workspace is None else workspace
     G = Hq // Hkv
     tiles = triton.cdiv(G * T, ws.block_m)
@@ -325,8 +337,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     assert ws.splits == 1 or ws.partial.shape == (Hkv * tiles * ws.splits, ws.block_m, _block_d(D))
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     _tree_attention_fwd_kernel[(Hkv, tiles, ws.splits)](
-        q, k_cache, v_cache, out, start, visible.contiguous(), ws.partial, ws.stats, ws.counters,
-        T, G, scale * math.log2(math.e),
+        q, k_cache, v_cache, out, start, words, ws.partial, ws.stats, ws.counters,
+        T, G, scale * math.log2(math.e), words.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         D=D, BLOCK_D=_block_d(D), BLOCK_M=ws.block_m, BLOCK_N=block_n, SPLITS=ws.splits, MIN_SPAN=ws.min_span,

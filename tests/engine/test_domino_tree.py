@@ -29,7 +29,7 @@ from scipy.stats import chi2
 
 import dominospec.engine.tree_accept as tree_accept
 from dominospec.engine import Sampling, SpecEngine
-from dominospec.engine.domino_tree import ancestors, grow_tree
+from dominospec.engine.domino_tree import ancestor_bits, grow_tree
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.draft_head import candidate_pool
 from dominospec.engine.tree_accept import GreedyWalk, accept_sampled_tree
@@ -124,10 +124,10 @@ def test_verify_rows_see_their_ancestors_and_the_lookup_chain():
             while row:
                 row, depth = parent[row], depth + 1
                 seen.add(row)
-            assert shape.visible[i].nonzero().flatten().tolist() == sorted(seen)
+            assert shape.mask()[i].nonzero().flatten().tolist() == sorted(seen)
             assert int(shape.depth[i]) == depth
-        assert shape.bits is not None and shape.bits.shape == (T,)
-    assert torch.equal(ancestors(torch.tensor([0, 0, 1]), 2), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool())
+        assert shape.bits is not None and shape.bits.shape == (T, 1)
+    assert ancestor_bits(torch.tensor([0, 0, 1]), 2).tolist() == [[1], [3], [7]]
 
 
 TREE = engine_params(tree_nodes=9, tree_children=3)
@@ -282,14 +282,16 @@ def test_choose_nodes_against_brute_force():
 
 
 def test_bad_tree_settings_are_refused(target, draft):
-    for options, word in [(engine_params(tree_nodes=0), "tree_nodes"), (engine_params(tree_children=0), "tree_children")]:
+    for options, word in [(engine_params(tree_nodes=0), "tree_nodes"), (engine_params(tree_children=0), "tree_children"),
+                          (engine_params(tree_nodes=257), "tree_nodes.*at most 256")]:
         with pytest.raises(UserError, match=word):
             SpecEngine(target, draft, "dominotree", None, options)
     no_head = tiny_draft(target, block_size=4, head=False)
     with pytest.raises(UserError, match="dominotree.*Domino head"):
         SpecEngine(target, no_head, "dominotree", params=engine_params())
-    lean = engine_params(tree_nodes=70, cuda_graphs="static", lean_target="on", graph_capacity=64)
-    with pytest.raises(UserError, match="71 rows"):
+    lean = engine_params(tree_nodes=256, ngram_assist=True, ngram_fork=True, ngram_num_draft=70, cuda_graphs="static",
+                         lean_target="on", graph_capacity=64)
+    with pytest.raises(UserError, match="327 rows, over 320"):
         SpecEngine(target, draft, "dominotree", None, lean)
 
 

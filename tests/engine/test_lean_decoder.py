@@ -77,7 +77,7 @@ def test_a_wrong_visibility_bit_changes_the_logits():
     lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), [], capacity=32, max_rows=8, graphs=False)
     ids = torch.randint(3, 30, (1, 6), generator=torch.Generator().manual_seed(2))
     tree = branch_tree((3, 2), "cpu")
-    leak = torch.tensor([0, 0, 0, 1, 1, 1]) << 2  # branch 1's rows (3..5) also see row 2, branch 0's second
+    leak = torch.tensor([[0], [0], [0], [1], [1], [1]]) << 2  # branch 1's rows (3..5) also see row 2, branch 0's second
     wrong = dataclasses.replace(tree, bits=tree.bits | leak)
     with torch.inference_mode():
         lean.forward(ids[:, :3], 1)
@@ -131,8 +131,8 @@ def test_lean_target_auto_off_and_refusals():
     draft = tiny_draft(target, block_size=6, seed=8)
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).lean is None  # CPU
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).lean is None
-    with pytest.raises(UserError, match="widest round verifies 71 rows"):
-        SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=14))  # 14 x 5 + 1 rows
+    with pytest.raises(UserError, match="widest round verifies 326 rows, over 320"):
+        SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=65))  # 65 x 5 + 1 rows
     with pytest.raises(UserError, match="lean_target must be on, off or auto"):
         SpecEngine(target, None, "ar", None, dataclasses.replace(LEAN, lean_target="yes"))
     target.model.config.hidden_act = "gelu"

@@ -168,7 +168,7 @@ def test_rope_cache_reads_slot_and_rotation_from_its_inputs():
 
 
 def tree_bits(parents):
-    """parents[i] < i (-1 for the root) -> [T] int64 bitmasks: row i sees itself and its ancestors."""
+    """parents[i] < i (-1 for the root) -> [T, W] int64 bitmasks: row i sees itself and its ancestors."""
     T = len(parents)
     visible = torch.eye(T, dtype=torch.bool)
     for i, p in enumerate(parents):
@@ -180,12 +180,20 @@ def tree_bits(parents):
 def random_bits(T, seed):
     g = torch.Generator().manual_seed(seed)
     visible = (torch.rand(T, T, generator=g) < 0.4) | torch.eye(T, dtype=torch.bool)
-    visible[T - 1, :] = True  # bit 63 set in the last row when T = 64 (and some rows see later rows)
+    visible[T - 1, :] = True  # bit 63 of every word set in the last row (and some rows see later rows)
     visible[:, T - 1] |= torch.rand(T, generator=g) < 0.5
     return bits_from_visible(visible.to(DEVICE))
 
 
 BRANCHES = [-1, 0, 1, 2, 0, 4, 0, 6, 7, 1]  # three branches off row 0, one forking at row 1
+
+
+def wide_tree(T, seed):
+    """A random tree of T rows whose parents lie up to 80 rows back (paths cross word boundaries)."""
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(max(0, i - 80), i, (1,), generator=g)) for i in range(1, T)]
+
+
 ATTN_CASES = [  # T, Hq, Hkv, D, start, bits
     (1, 9, 3, 64, 70, lambda: causal_bits(1, DEVICE)),  # SmolLM2 decode step: a ragged context tail
     (len(BRANCHES), 4, 2, 32, 130, lambda: tree_bits(BRANCHES)),  # tree over 2 full context blocks + tail
@@ -194,6 +202,9 @@ ATTN_CASES = [  # T, Hq, Hkv, D, start, bits
     (9, 2, 2, 16, 64, lambda: tree_bits(BRANCHES[:9])),  # Hq == Hkv, context of exactly one block
     (6, 4, 2, 8, 20, lambda: tree_bits(BRANCHES[:6])),  # head_dim 8 (tiny test models): padded to 16
     (3, 2, 1, 24, 5, lambda: causal_bits(3, DEVICE)),  # head_dim not a power of two
+    (65, 3, 1, 16, 10, lambda: causal_bits(65, DEVICE)),  # the first row of a second word
+    (200, 3, 1, 16, 90, lambda: tree_bits(wide_tree(200, 3))),  # 4 words, G = 3: 10 tiles
+    (320, 2, 1, 16, 0, lambda: random_bits(320, 16)),  # the widest verify, any mask, no context
 ]
 
 
@@ -244,14 +255,14 @@ def test_tree_attention_follows_the_mask_and_start():
     visible = tree_bits(BRANCHES)
     out = tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5)
     wrong = visible.clone()
-    wrong[3] ^= 1 << 4  # row 3 also sees row 4 (another branch)
+    wrong[3, 0] ^= 1 << 4  # row 3 also sees row 4 (another branch)
     changed = tree_attention(q, k_cache, v_cache, start_t, wrong, D ** -0.5)
     assert torch.equal(changed[:3], out[:3]) and torch.equal(changed[4:], out[4:])
     assert (changed[3] - out[3]).abs().max() > 1e-3
     k2 = k_cache.clone()
     k2[:, start + 4] = k2[:, start + 4] * 3  # row 4's key: rows that see it change, the others not
     moved = tree_attention(q, k2, v_cache, start_t, visible, D ** -0.5)
-    sees_4 = ((visible >> 4) & 1).bool()
+    sees_4 = ((visible[:, 0] >> 4) & 1).bool()
     assert torch.equal(moved[~sees_4], out[~sees_4]) and not torch.allclose(moved[sees_4], out[sees_4])
     earlier = tree_attention(q, k_cache, v_cache, start_t - 1, visible, D ** -0.5)  # start read on device
     assert not torch.allclose(earlier, out)
@@ -271,9 +282,15 @@ def test_tree_attention_reference_agrees_with_sdpa():
 
 def test_bitmask_helpers():
     bits = causal_bits(64, DEVICE)
-    assert bits.dtype == torch.int64 and bits.shape == (64,)
-    assert bits[0] == 1 and bits[1] == 3 and bits[62] == 2 ** 63 - 1 and bits[63] == -1  # bit 63: the sign
+    assert bits.dtype == torch.int64 and bits.shape == (64, 1)
+    assert bits[0, 0] == 1 and bits[1, 0] == 3 and bits[62, 0] == 2 ** 63 - 1 and bits[63, 0] == -1  # bit 63: the sign
     assert torch.equal(visible_from_bits(bits), torch.ones(64, 64, dtype=torch.bool, device=DEVICE).tril())
+    wide = causal_bits(130, DEVICE)
+    assert wide.shape == (130, 3) and wide[64].tolist() == [-1, 1, 0] and wide[129].tolist() == [-1, -1, 3]
+    assert torch.equal(visible_from_bits(wide), torch.ones(130, 130, dtype=torch.bool, device=DEVICE).tril())
+    assert torch.equal(visible_from_bits(bits[:, 0]), visible_from_bits(bits))  # [T]: one word a row
     g = torch.Generator().manual_seed(0)
-    visible = (torch.rand(17, 17, generator=g) < 0.5).to(DEVICE)
-    assert torch.equal(visible_from_bits(bits_from_visible(visible)), visible)
+    for T in (17, 64, 129):
+        visible = (torch.rand(T, T, generator=g) < 0.5).to(DEVICE)
+        assert torch.equal(visible_from_bits(bits_from_visible(visible)), visible)
+    assert bits_from_visible(visible, words=5).shape == (129, 5)

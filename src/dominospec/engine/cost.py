@@ -1,8 +1,9 @@
 """Measure what a round costs on this machine, phase by phase, for auto-K (engine.policy.RoundCost).
 
 On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's
-features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a chain of K_max or a
-prompt lookup proposes), the draft forward over the block with
+features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a round verifies: a
+chain of K_max, a prompt lookup, a tree; a runner that pads r up to a bucket is timed once a
+bucket), the draft forward over the block with
 the base logits of K_max rows, a K_max-step chain, and (`tree_width` W > 1) W branches of K_max
 drafts (engine.draft_head), and (`dominotree`) the growth of the whole tree (engine.domino_tree); each `repeats` times, the phases
 interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
@@ -50,9 +51,11 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
         drafter.extend(features.to(engine.draft_dtype))
-    verify = {r: [] for r in range(1, R + 1)}
+    shapes = runner_shapes(kv, R)  # r -> the rows its forward runs (a lean runner pads to its bucket)
+    verify = {r: [] for r in sorted(set(shapes.values()))}
     draft_ms, chain_ms, branch_ms, build_ms = [], [], [], []
-    rows = ids.repeat(R)[:R]  # any real tokens will do: the cost does not depend on them
+    widest = max(verify) if verify else R
+    rows = ids.repeat(widest)[:widest]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
         for r in verify if shared is None else ():
@@ -79,11 +82,19 @@ def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = R
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
                          rollout_step=min(chain_ms) if chain_ms else 0.0,
                          branch_step=min(branch_ms) if branch_ms else 0.0, tree_build=min(build_ms) if build_ms else 0.0)
-    return RoundCost(verify=nondecreasing([min(verify[r]) for r in verify]),
+    return RoundCost(verify=nondecreasing([min(verify[shapes[r]]) for r in range(1, R + 1)]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0,
                      branch_step=min(branch_ms) if branch_ms else 0.0,
                      tree_build=min(build_ms) if build_ms else 0.0)
+
+
+def runner_shapes(kv, rows: int) -> dict[int, int]:
+    """r = 1..rows -> the rows of the forward that verifies r: the smallest of the runner's graph
+    buckets that holds r (its `buckets`; a runner without them runs every r as it is). Only those
+    shapes are timed, so a runner of 264 rows times its ~30 buckets, not 264 forwards."""
+    buckets = [B for B in getattr(kv, "buckets", ()) if B <= getattr(kv, "max_rows", 0)]
+    return {r: next((B for B in buckets if B >= r), r) for r in range(1, rows + 1)}
 
 
 def nondecreasing(values: list[float]) -> list[float]:

@@ -32,6 +32,9 @@ and how it learns, from one verified tree, what every smaller budget would have 
 
 The verify rows (`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at
 depth d_i (position start + d_i); each row sees the committed context, its ancestors and itself.
+The build also writes each row's ancestors as a bitmask (`DraftTree.bits`, the lean verify's
+format, engine.fork): K gathers, bits = self | bits[parent], inside the same graph. Since a parent
+precedes its children, the rows 0..n of the whole tree are the tree of budget n, bits included.
 """
 
 from __future__ import annotations
@@ -42,22 +45,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.fork import Tree
+import functools
+
+from dominospec.engine.fork import Tree, words_for
 from dominospec.engine.draft_head import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
+
+MAX_TREE_NODES = 256  # a budget's verify, 1 + 256 nodes + a lookup chain, fits the lean decoder's rows
 
 
 @dataclass(frozen=True)
 class DraftTree:
     """N nodes, best first. tokens [N] long; parents [N] long, the verify row of node i's parent
     (0: x_start; node i is row i + 1, and parents[i] <= i); depth [N] long in 1..max_depth; scores
-    [N] float32 (or wider), the cumulative draft log-probability (-inf: a dead node, nothing left to offer).
-    `max_depth` (K, on the host) bounds every path."""
+    [N] float32 (or wider), the cumulative draft log-probability (-inf: a dead node, nothing left to
+    offer); bits [1 + N, words_for(1 + N)] int64, row r's visible rows (itself and its ancestors,
+    row 0 x_start). `max_depth` (K, on the host) bounds every path."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     scores: torch.Tensor
+    bits: torch.Tensor
     max_depth: int
 
     @property
@@ -66,26 +75,55 @@ class DraftTree:
 
     def verify_rows(self, n: int, lookup: int = 0) -> tuple[Tree, torch.Tensor]:
         """The verify of x_start, the best n nodes, then a lookup chain of `lookup` rows under x_start
-        (engine.fork) -> (its Tree: depth [1 + n + lookup], visible = self and ancestors; parent rows
-        [1 + n + lookup], row 0 its own). Device ops only."""
-        chain = torch.arange(1, lookup + 1, device=self.tokens.device)  # lookup token k: row n + k, depth k
-        depth = torch.cat([self.depth.new_zeros(1), self.depth[:n], chain])
-        parents = torch.cat([self.parents.new_zeros(1), self.parents[:n], torch.where(chain > 1, chain + n - 1, 0)])
-        return Tree.of(depth, ancestors(parents, max(self.max_depth, lookup))), parents
+        (engine.fork) -> (its Tree: depth [T], bits [T, words_for(T)], T = 1 + n + lookup; parent rows
+        [T], row 0 its own). Device ops only: no host -> device copy."""
+        T, device = 1 + n + lookup, self.tokens.device
+        tree_bits = self.bits[:1 + n, :words_for(T)]
+        pad = words_for(T) - tree_bits.shape[1]
+        depth, parents, bits = [self.depth.new_zeros(1), self.depth[:n]], [self.parents.new_zeros(1), self.parents[:n]], \
+            [torch.nn.functional.pad(tree_bits, (0, pad)) if pad else tree_bits]
+        if lookup:
+            chain = lookup_chain(n, lookup, device)
+            depth, parents, bits = depth + [chain.depth], parents + [chain.parents], bits + [chain.bits]
+        return Tree(torch.cat(depth), None, torch.cat(bits)), torch.cat(parents)
 
 
-def ancestors(parents: torch.Tensor, steps: int) -> torch.Tensor:
-    """Parent row of each row [T] (row 0 its own) -> visible [T, T] bool: row i sees row j iff j is i
-    or an ancestor of i. `steps` >= the deepest row's depth."""
+@dataclass(frozen=True)
+class LookupChain:
+    """The rows of a lookup chain of L tokens verified after x_start and n tree nodes: depth [L]
+    (1..L), parents [L] (row 0, then the row before), bits [L, words_for(1 + n + L)]."""
+
+    depth: torch.Tensor
+    parents: torch.Tensor
+    bits: torch.Tensor
+
+
+@functools.lru_cache(maxsize=4096)
+def lookup_chain(n: int, lookup: int, device: torch.device) -> LookupChain:
+    """Cached by shape (a round's verify then copies nothing from the host). Read-only."""
+    rows = torch.arange(1, lookup + 1)  # lookup token k: row n + k, depth k
+    parents = torch.where(rows > 1, rows + n - 1, 0)
+    T = 1 + n + lookup
+    visible = torch.zeros(lookup, words_for(T) * 64, dtype=torch.long)
+    visible[:, 0] = 1
+    for k in range(1, lookup + 1):
+        visible[k - 1, n + 1:n + 1 + k] = 1
+    bits = (visible.view(lookup, -1, 64) << torch.arange(64)).sum(-1)
+    return LookupChain(rows.to(device), parents.to(device), bits.to(device))
+
+
+def ancestor_bits(parents: torch.Tensor, steps: int) -> torch.Tensor:
+    """Parent row of each row [T] (row 0 its own, a parent before its child) -> [T, words_for(T)]
+    int64 bitmasks: row i sees row j iff j is i or an ancestor of i. `steps` >= the deepest row's
+    depth. Fixed shapes, device ops only (the grower's graph runs it)."""
     T = parents.shape[0]
     rows = torch.arange(T, device=parents.device)
-    visible = torch.zeros(T, T, dtype=torch.bool, device=parents.device)
-    visible[rows, rows] = True
-    up = rows
-    for _ in range(steps):
-        up = parents[up]
-        visible[rows, up] = True
-    return visible
+    own = torch.zeros(T, words_for(T), dtype=torch.long, device=parents.device)
+    own.scatter_(1, (rows // 64)[:, None], (torch.ones_like(rows) << (rows % 64))[:, None])
+    bits = own
+    for _ in range(steps):  # after d passes every row of depth <= d holds its whole path
+        bits = own | bits[parents]
+    return bits
 
 
 def grow_tree(draft: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, embed_tokens: Any,
@@ -146,15 +184,19 @@ def select_best(levels: list, nodes: int, K: int) -> DraftTree:
     order = torch.sort(scores, descending=True, stable=True).indices[:n]  # [n]
     row_of = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)  # concatenation index + 1 -> row
     row_of[order + 1] = torch.arange(1, n + 1, device=tokens.device)
-    return DraftTree(tokens=tokens[order], parents=row_of[parent[order] + 1], depth=depth[order],
-                     scores=scores[order], max_depth=K)
+    parents = row_of[parent[order] + 1]  # [n]
+    bits = ancestor_bits(torch.cat([parents.new_zeros(1), parents]), K)  # rows 0..n
+    return DraftTree(tokens=tokens[order], parents=parents, depth=depth[order], scores=scores[order], bits=bits,
+                     max_depth=K)
 
 
 class TreeGrower:
-    """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`, a copy the
-    caller keeps. With `graphs` (static caches on CUDA) the build runs on static input buffers, one
-    CUDA graph per (K, sampling) (engine.graphs): one replay a round instead of ~10 launches a depth
-    from Python; with `graphs=False` the same function runs eagerly on the caller's tensors."""
+    """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`. With
+    `graphs` (static caches on CUDA) the build runs on static input buffers, one CUDA graph per
+    (K, sampling) (engine.graphs): one replay a round, the verify's bitmask included, instead of
+    ~12 launches a depth from Python; the tree is then the graph's own output, valid until the next
+    `grow` (a round verifies it before it drafts again). With `graphs=False` the same function runs
+    eagerly on the caller's tensors."""
 
     def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int,
                  block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool):
@@ -176,8 +218,7 @@ class TreeGrower:
         self.z[:K].copy_(z)
         self.base[:K].copy_(base_logits)
         self.x_start.copy_(x_start.reshape(1))
-        tree = self.graphs.run((K, sampling))
-        return DraftTree(tree.tokens.clone(), tree.parents.clone(), tree.depth.clone(), tree.scores.clone(), K)
+        return self.graphs.run((K, sampling))
 
     def _build(self, key: tuple):
         K, sampling = key

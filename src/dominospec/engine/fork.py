@@ -42,33 +42,51 @@ import torch
 
 from dominospec.engine.sampling import first_mismatch
 
-MAX_TREE_ROWS = 64  # rows a visibility bitmask (one int64 a row) can describe
+MAX_TREE_ROWS = 320  # rows of one lean verify: x_start, 256 tree nodes and a lookup chain fit (kernels.tree_attention)
 
 
 @dataclass(frozen=True)
 class Tree:
     """The shape of a verify forward of T rows: depth [T] long (position = start + depth), and
-    visible [T, T] bool (visible[i, j]: row i attends to row j; always visible[i, i]); `bits` [T]
-    int64 is `visible` as one bitmask a row (bit j: row j), for T <= 64 (None beyond)."""
+    visible [T, T] bool (visible[i, j]: row i attends to row j; always visible[i, i]); `bits`
+    [T, words_for(T)] int64 is `visible` as a bitmask a row (bit j % 64 of word j // 64: row j),
+    for T <= MAX_TREE_ROWS (None beyond). One of the two may be None: `mask()` reads either."""
 
     depth: torch.Tensor
-    visible: torch.Tensor
+    visible: Optional[torch.Tensor]
     bits: Optional[torch.Tensor] = None
 
     @staticmethod
     def of(depth: torch.Tensor, visible: torch.Tensor) -> "Tree":
         return Tree(depth, visible, visibility_bits(visible))
 
+    def mask(self) -> torch.Tensor:
+        """visible [T, T] bool, unpacked from `bits` when the tree was built as a bitmask alone (a
+        DominoTree's verify on the lean decoder never needs it)."""
+        if self.visible is not None:
+            return self.visible
+        T = self.bits.shape[0]
+        shifts = torch.arange(64, device=self.bits.device, dtype=torch.long)
+        return ((self.bits[:, :, None] >> shifts) & 1).reshape(T, -1)[:, :T].bool()
+
+
+def words_for(rows: int) -> int:
+    """int64 words of a row's visibility bitmask over `rows` rows."""
+    return -(-rows // 64)
+
 
 def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
-    """visible [T, T] bool -> [T] int64, bit j of row i set iff visible[i, j] (bit 63 wraps to the
-    sign): the format kernels.tree_attention reads (its `bits_from_visible`, which the engine does
-    not import: the kernels bring triton in); None when T > MAX_TREE_ROWS. Tensor ops only."""
+    """visible [T, T] bool -> [T, words_for(T)] int64, bit j % 64 of word j // 64 of row i set iff
+    visible[i, j] (bit 63 of a word wraps to its sign): the format kernels.tree_attention reads (its
+    `bits_from_visible`, which the engine does not import: the kernels bring triton in); None when
+    T > MAX_TREE_ROWS. Tensor ops only."""
     T = visible.shape[-1]
     if T > MAX_TREE_ROWS:
         return None
-    shifts = torch.arange(T, device=visible.device, dtype=torch.long)
-    return (visible.long() << shifts).sum(-1)
+    W = words_for(T)
+    padded = torch.nn.functional.pad(visible.long(), (0, W * 64 - T))  # [T, W * 64]
+    shifts = torch.arange(64, device=visible.device, dtype=torch.long)
+    return (padded.view(T, W, 64) << shifts).sum(-1)
 
 
 def chain_tree(T: int, device: torch.device) -> Tree:

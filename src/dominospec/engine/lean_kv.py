@@ -5,6 +5,20 @@
 `select(rows)`, `crop(n)`, `reset()`, `length`. Its KV cache is the decoder's own pair of
 [layers, Hkv, capacity, D] tensors, written in place.
 
+Every forward of 1..`max_rows` rows (<= 320) replays one CUDA graph per row bucket (engine.graphs):
+every T up to 16 exactly (chains, lookups, small trees: no padding), wider forwards padded up to
+the next of 24, 32, 40, .. 64, 80, .. 128, 160, .. 320 (`row_buckets`), so that a runner of 257
+rows captures about 30 graphs, not 257. The graphs' inputs are static buffers: the ids, the rows'
+depths and their visibility bitmasks (a chain's by default, a tree's copied in from its `Tree.bits`:
+no host work), and the write position `start`, a device scalar. A padded row sees only itself and
+writes its K/V past the real rows, where the next forward overwrites them; its logits and features
+are dropped. The attention reads only cache rows below start + rows, so the cost of a forward follows
+the context, not the capacity, and a verify of a tree costs what a chain of its bucket does.
+Longer forwards (the prompt) run eagerly as one causal chain.
+
+`select(rows)`, `crop(n)`, `reset()`, `length`. Its KV cache is the decoder's own pair of
+[layers, Hkv, capacity, D] tensors, written in place.
+
 Every forward of 1..`max_rows` rows (<= 64) is one CUDA graph per T (engine.graphs) whose inputs
 are static buffers: the ids, the rows' depths and their visibility bitmasks (a chain's by default,
 a tree's copied in from its cached `Tree.bits`: no host work), and the write position `start`, a
@@ -22,15 +36,29 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree
+from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree, words_for
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.engine.lean_decoder import LeanDecoder
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
+EXACT_ROWS = 16  # forwards of up to this many rows have graphs of their own (no padding)
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts that get a graph, ascending, the last `max_rows`: 1..16, then steps of 8 to 64,
+    of 16 to 128, of 32 beyond (a padded row costs at most 1/8 .. 1/4 of the real ones)."""
+    buckets, rows = [], 1
+    while rows < max_rows:
+        buckets.append(rows)
+        rows += 1 if rows < EXACT_ROWS else 8 if rows < 64 else 16 if rows < 128 else 32
+    return buckets + [max_rows]
+
+
 class LeanTargetKV(FixedRows):
-    """Forwards on the lean decoder's cache of `capacity` rows; T <= `max_rows` rows replay a CUDA graph when `graphs`."""
+    """Forwards on the lean decoder's cache of `capacity` rows; T <= `max_rows` rows replay the CUDA
+    graph of their row bucket when `graphs`."""
 
     what = "static KV cache"
 
@@ -44,35 +72,54 @@ class LeanTargetKV(FixedRows):
         self.keys, self.values = decoder.new_cache(capacity)  # [layers, Hkv, capacity, D] each
         self.start = torch.zeros((), dtype=torch.long, device=device)  # cache row of this forward's row 0
         self.first = 0  # the same, on the host (select)
-        self.ids = {T: torch.zeros(T, dtype=torch.long, device=device) for T in range(1, max_rows + 1)}
-        self.chains = {T: chain_tree(T, device) for T in range(1, max_rows + 1)}
-        self.depth = {T: c.depth.clone() for T, c in self.chains.items()}  # graph inputs
-        self.bits = {T: c.bits.clone() for T, c in self.chains.items()}
-        self.holds_chain = {T: True for T in self.chains}  # depth/bits[T] hold the chain's: a chain forward copies nothing
-        self.workspaces = {T: decoder.stack.workspace_for(T, device) for T in self.chains}  # the attention's scratch per T
+        self.buckets = row_buckets(max_rows)
+        self.ids = {B: torch.zeros(B, dtype=torch.long, device=device) for B in self.buckets}
+        self.chains = {B: chain_tree(B, device) for B in self.buckets}  # bits [B, words_for(B)]
+        self.depth = {B: c.depth.clone() for B, c in self.chains.items()}  # graph inputs
+        self.bits = {B: c.bits.clone() for B, c in self.chains.items()}
+        self.alone = {B: _alone_bits(B, device) for B in self.buckets}  # padded rows: each sees itself only
+        self.holds_chain = {B: True for B in self.buckets}  # depth/bits[B] hold the chain's: a chain copies nothing
+        self.workspaces = {B: decoder.stack.workspace_for(B, device) for B in self.buckets}  # attention scratch per B
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
+
+    def bucket(self, T: int) -> int:
+        """Rows T <= max_rows -> the rows of the graph that runs them."""
+        return next(B for B in self.buckets if B >= T)
 
     def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
         T = ids.shape[1]
-        self.check_room(T)
-        self.start.fill_(self.length)
-        self.first = self.length
         if T > self.max_rows:  # a prompt: one causal chain, eager
             if tree is not None:
                 raise ValueError(f"a tree of {T} rows is over the lean verify's {self.max_rows}")
+            self.check_room(T)
+            self.start.fill_(self.length)
+            self.first = self.length
             depth = torch.arange(T, device=ids.device)
             logits, features = self.decoder.forward(ids[0], self.start, depth, None, self.keys, self.values, keep,
                                                     self.layer_ids, chain_start=self.length)
         else:
-            self.ids[T].copy_(ids[0])
-            if tree is not None or not self.holds_chain[T]:  # a tree, or the chain after one, rewrites the shape
-                shape = tree or self.chains[T]
-                self.depth[T].copy_(shape.depth)
-                self.bits[T].copy_(shape.bits)
-                self.holds_chain[T] = tree is None
-            logits, features = self.graphs.run(T)
-            logits = logits[T - keep:]
-            features = features.clone() if features is not None else None  # the next replay overwrites it
+            B = self.bucket(T)
+            self.check_room(B)  # the padded rows write past the real ones
+            self.start.fill_(self.length)
+            self.first = self.length
+            self.ids[B][:T].copy_(ids[0])
+            if B == T and tree is None:  # a whole bucket's chain
+                if not self.holds_chain[B]:
+                    self.depth[B].copy_(self.chains[B].depth)
+                    self.bits[B].copy_(self.chains[B].bits)
+                    self.holds_chain[B] = True
+            else:  # a tree, or rows padded up to B: the real rows' shape over padded rows that see themselves
+                depth, bits = (tree.depth, tree.bits) if tree is not None else (self.chains[B].depth[:T],
+                                                                               self.chains[B].bits[:T])
+                if B > T:
+                    self.depth[B].zero_()
+                    self.bits[B].copy_(self.alone[B])
+                self.depth[B][:T].copy_(depth)
+                self.bits[B][:T, :bits.shape[1]].copy_(bits)
+                self.holds_chain[B] = False
+            logits, features = self.graphs.run(B)
+            logits = logits[T - keep:T]
+            features = features[:T].clone() if features is not None else None  # the next replay overwrites it
         self.length += T
         return logits[None], None if features is None else features[None]
 
@@ -85,7 +132,15 @@ class LeanTargetKV(FixedRows):
         for cache in (self.keys, self.values):  # [layers, Hkv, C, D]
             cache[:, :, span] = cache.index_select(2, source)
 
-    def _step(self, T: int):
-        """T -> the graph's function: the forward of the static buffers of T rows at `start`."""
-        return lambda: self.decoder.forward(self.ids[T], self.start, self.depth[T], self.bits[T], self.keys,
-                                            self.values, T, self.layer_ids, workspace=self.workspaces[T])
+    def _step(self, B: int):
+        """B -> the graph's function: the forward of the static buffers of B rows at `start`."""
+        return lambda: self.decoder.forward(self.ids[B], self.start, self.depth[B], self.bits[B], self.keys,
+                                            self.values, B, self.layer_ids, workspace=self.workspaces[B])
+
+
+def _alone_bits(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, words_for(rows)] int64: row i sees row i only."""
+    bits = torch.zeros(rows, words_for(rows), dtype=torch.long)
+    i = torch.arange(rows)
+    bits[i, i // 64] = torch.ones(rows, dtype=torch.long) << (i % 64)
+    return bits.to(device)

@@ -65,7 +65,7 @@ from dominospec.engine.clock import PhaseClock
 from dominospec.engine.configure import head_kernel, static_caches
 from dominospec.engine.cost import measure_round_cost
 from dominospec.engine.draft_head import DraftChain, DraftHead, draft_head
-from dominospec.engine.domino_tree import TreeGrower
+from dominospec.engine.domino_tree import MAX_TREE_NODES, TreeGrower
 from dominospec.engine.fork import MAX_TREE_ROWS, accept_branches, branch_tree
 from dominospec.engine.lean_decoder import LeanDecoder, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock, lean_draft
@@ -165,6 +165,9 @@ class SpecEngine:
             if params.tree_nodes < 1 or params.tree_children < 1:
                 raise UserError(f"engine.tree_nodes and engine.tree_children must be >= 1, got "
                                 f"{params.tree_nodes} and {params.tree_children}")
+            if params.tree_nodes > MAX_TREE_NODES:
+                raise UserError(f"engine.tree_nodes is at most {MAX_TREE_NODES} (a verify of 1 + nodes + lookup "
+                                f"rows), got {params.tree_nodes}")
             self.tree_nodes = params.tree_nodes
             self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree_nodes, params.tree_children,
                                      params.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
@@ -358,7 +361,7 @@ class SpecEngine:
         kv, drafter = self.runners(rows)
         ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
         _, features = kv.forward(ids[:, :2], keep=1)
-        for T in range(1, kv.max_rows + 1):
+        for T in kv.buckets:
             kv.forward(ids[:, :T], keep=T)
             kv.crop(2)
         if drafter is None:
@@ -600,6 +603,8 @@ class SpecEngine:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
         if self.head is not None and self.head.graphs is not None:
             failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
+        if self.grower is not None:
+            failures.update({f"tree build {key}": err for key, err in self.grower.graphs.failures.items()})
         return failures
 
     def _take_pending(self, state) -> Optional[torch.Tensor]:

@@ -59,7 +59,7 @@ class DynamicTargetKV:
             T = ids.shape[1]
             cached = torch.ones(T, self.start, dtype=torch.bool, device=ids.device)
             kwargs = {"position_ids": (self.start + tree.depth)[None],
-                      "attention_mask": torch.cat([cached, tree.visible], dim=1)[None, None]}
+                      "attention_mask": torch.cat([cached, tree.mask()], dim=1)[None, None]}
         with FeatureTap(self.model, self.layer_ids) as tap:
             out = self.model(input_ids=ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep,
                              **kwargs)
@@ -89,8 +89,9 @@ class StaticTargetKV(FixedRows):
         self.columns = torch.arange(capacity, device=self.device)  # [L]
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # first position written
         self.first = 0
-        self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in range(1, max_rows + 1)}
-        self.chains = {T: chain_tree(T, self.device) for T in range(1, max_rows + 1)}
+        self.buckets = list(range(1, max_rows + 1))  # the row counts that have a graph: every one
+        self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in self.buckets}
+        self.chains = {T: chain_tree(T, self.device) for T in self.buckets}
         self.trees = {T: Tree(c.depth.clone(), c.visible.clone()) for T, c in self.chains.items()}  # graph inputs (no bits: the mask is built from visible)
         self.holds_chain = {T: True for T in self.trees}  # trees[T] holds chains[T]: a chain forward copies nothing
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
@@ -107,7 +108,7 @@ class StaticTargetKV(FixedRows):
             if tree is not None or not self.holds_chain[T]:  # only a fork, or the chain after one, rewrites the tree
                 shape = tree or self.chains[T]
                 self.trees[T].depth.copy_(shape.depth)
-                self.trees[T].visible.copy_(shape.visible)
+                self.trees[T].visible.copy_(shape.mask())
                 self.holds_chain[T] = tree is None
             logits, features = self.graphs.run(T)
             logits = logits[:, T - keep:]
@@ -130,7 +131,7 @@ class StaticTargetKV(FixedRows):
         for counter in self._counters():
             counter.copy_(self.start)
         rel = self.columns - self.start  # [L]: column -> row of this forward (< 0: cached before it)
-        own = tree.visible.gather(1, rel.clamp(0, T - 1)[None, :].expand(T, -1))  # [T, L]
+        own = tree.mask().gather(1, rel.clamp(0, T - 1)[None, :].expand(T, -1))  # [T, L]
         mask = ((rel < 0)[None, :] | (own & (rel < T)[None, :]))[None, None]  # [1, 1, T, L], True = attend
         kwargs = {self.cache_arg: self.cache, "position_ids": positions[None], "attention_mask": mask,
                   "use_cache": True, "logits_to_keep": keep}

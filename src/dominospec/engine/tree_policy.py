@@ -24,6 +24,8 @@ E = 1 + sum_k s_k(n) + sum_{k <= K_l} (1 - s_k(n)) l_k, against `RoundCost.best_
 
 from __future__ import annotations
 
+import numpy as np
+
 from dominospec.engine.policy import PRIOR, PRIOR_WEIGHT, RoundCost
 
 
@@ -63,31 +65,34 @@ class TreeModel:
     def survival(self) -> list[list[float]]:
         """-> s[n][k-1] = P(the best n nodes accept >= k drafts), n = 0..N, k = 1..depth: non-increasing
         in k, non-decreasing in n, at most 1."""
-        rows, acc = [[0.0] * self.depth], [0.0] * self.depth
-        for shares in self.rank_shares():
-            acc = [a + s for a, s in zip(acc, shares)]
-            row, cap = [], 1.0
-            for a in acc:
-                cap = min(cap, a)
-                row.append(cap)
-            rows.append(row)
-        return rows
+        return self.survival_array().tolist()
+
+    def survival_array(self) -> np.ndarray:
+        """`survival` as an array [N + 1, depth] (float64): the prefix sums of the rank shares, capped at
+        1 and made non-increasing along the depth (a round's policy reads it at every budget)."""
+        shares = np.asarray(self.rank_shares(), dtype=np.float64).reshape(self.nodes, self.depth)
+        acc = np.vstack([np.zeros((1, self.depth)), np.cumsum(shares, axis=0)])
+        return np.minimum.accumulate(np.minimum(acc, 1.0), axis=1)
 
 
-def choose_nodes(cost: RoundCost, survival: list[list[float]], lookup: list[float], nodes_max: int,
-                 kl_max: int) -> tuple[int, int]:
-    """Tree survivals s[n] (TreeModel.survival), the lookup's survival l_k -> the (n, K_l), n <= nodes_max,
-    K_l <= kl_max, with the most expected tokens per ms; (0, 0) is a plain step."""
-    best, best_rate = (0, 0), 1.0 / cost.best_first_ms(0, 0)
-    for n in range(min(nodes_max, len(survival) - 1) + 1):
-        tree = survival[n] + [0.0] * max(0, kl_max - len(survival[n]))
-        expected = 1.0 + sum(tree)
-        for kl in range(kl_max + 1):
-            if kl:
-                expected += (1.0 - tree[kl - 1]) * lookup[kl - 1]
-            if n == kl == 0:
-                continue
-            rate = expected / cost.best_first_ms(n, kl)
-            if rate > best_rate:
-                best, best_rate = (n, kl), rate
-    return best
+def choose_nodes(cost: RoundCost, survival, lookup: list[float], nodes_max: int, kl_max: int) -> tuple[int, int]:
+    """Tree survivals s[n] (TreeModel.survival or survival_array), the lookup's survival l_k -> the
+    (n, K_l), n <= nodes_max, K_l <= kl_max, with the most expected tokens per ms (the first in (n, K_l)
+    order on a tie); (0, 0) is a plain step. All budgets at once, as arrays."""
+    s = np.asarray(survival, dtype=np.float64)
+    n_max = min(nodes_max, s.shape[0] - 1)
+    s = s[:n_max + 1]
+    width = max(s.shape[1], kl_max)
+    tree = np.hstack([s, np.zeros((s.shape[0], width - s.shape[1]))])  # [n, k]
+    l = np.asarray(lookup[:kl_max], dtype=np.float64)
+    gain = np.cumsum((1.0 - tree[:, :kl_max]) * l, axis=1) if kl_max else np.zeros((s.shape[0], 0))
+    expected = 1.0 + s.sum(axis=1, keepdims=True) + np.hstack([np.zeros((s.shape[0], 1)), gain])  # [n, kl]
+    verify = np.asarray(cost.verify, dtype=np.float64)
+    n, kl = np.arange(n_max + 1)[:, None], np.arange(kl_max + 1)[None, :]
+    ms = np.where(n > 0, cost.draft + cost.tree_build, 0.0) + verify[n + kl]
+    rate = expected / ms
+    rate[0, 0] = -np.inf
+    best = int(np.argmax(rate))
+    if rate.flat[best] <= 1.0 / cost.best_first_ms(0, 0):
+        return 0, 0
+    return divmod(best, kl_max + 1)

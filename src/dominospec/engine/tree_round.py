@@ -48,7 +48,7 @@ def plan_tree(engine: "SpecEngine", state, room: int, greedy: bool) -> tuple[int
     if not engine.auto or engine.tree_model.unseen:  # a generation's first tree is verified whole: it teaches every budget
         return engine.tree_nodes, K, lookup
     lookups = engine.lookup_acceptance.survival() if lookup else []
-    n, L = choose_nodes(engine.cost, engine.tree_model.survival(), lookups, engine.tree_nodes, len(lookup))
+    n, L = choose_nodes(engine.cost, engine.tree_model.survival_array(), lookups, engine.tree_nodes, len(lookup))
     return n, K if n else 0, lookup[:L]
 
 
