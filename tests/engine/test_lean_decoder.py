@@ -71,6 +71,28 @@ def test_lean_draft_block_agrees_with_the_draft_model_through_extend_block_and_c
         graphs=False))
 
 
+def test_rotary_tables_a_runner_read_outlive_a_larger_runner(target, draft):
+    """Engines on one model share its lean decoder and lean draft, and a CUDA graph captured on a
+    runner holds the addresses of the rotary tables it read. Building a runner of a larger cache grows
+    the tables: the old ones must stay alive (a freed table is what a replay of the smaller runner's
+    graph read next, as an illegal memory access on the GPU after a few prompts), with the same rows."""
+    small_target = tiny_target("llama", vocab=32, dtype=torch.float64, max_positions=64)
+    decoder = LeanDecoder(small_target.model, DecoderOps.reference())
+    lean_draft_ = LeanDraft(draft, DecoderOps.reference())
+    mask_embeds = target.embed_tokens(torch.full((3,), 5))
+    LeanTargetKV(decoder, [], capacity=32, max_rows=4, graphs=False)
+    LeanDraftBlock(lean_draft_, target.lm_head, target.embed_tokens, mask_embeds, capacity=32, graphs=False)
+    read = {"target": decoder.cos, "draft": lean_draft_.tables[mask_embeds.dtype][0]}
+    LeanTargetKV(decoder, [], capacity=256, max_rows=4, graphs=False)  # past the model's 64 positions
+    LeanDraftBlock(lean_draft_, target.lm_head, target.embed_tokens, mask_embeds, capacity=50_000, graphs=False)
+    grown = {"target": decoder.cos, "draft": lean_draft_.tables[mask_embeds.dtype][0]}
+    kept = {"target": [c for c, _ in decoder.retired], "draft": [c for c, _ in lean_draft_.retired]}
+    for name in read:
+        assert grown[name].shape[0] > read[name].shape[0]
+        assert any(t.data_ptr() == read[name].data_ptr() for t in kept[name]), f"the {name}'s old table was freed"
+        assert torch.equal(grown[name][:read[name].shape[0]], read[name])
+
+
 def test_a_wrong_visibility_bit_changes_the_logits():
     """The tree's bitmask is what the lean verify reads: a row that sees another branch differs."""
     target = tiny_target("llama", vocab=32, dtype=torch.float64)

@@ -177,17 +177,21 @@ class LeanDecoder:
         self.lm_head = model.get_output_embeddings().weight  # [V, H]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.cos = self.sin = torch.empty(0, D, dtype=self.dtype, device=self.device)  # rotary tables [positions, D]
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown tables, which captured graphs still read
         self.ensure_positions(int(config.max_position_embeddings))
 
     def ensure_positions(self, n: int) -> None:
         """Rotary tables for positions 0..n-1, computed once by the model's own `rotary_emb` (elementwise
         in the position, so a row of the table is what a forward at that position computes): a forward
-        then gathers its rows, two launches instead of the tables' seven."""
+        then gathers its rows, two launches instead of the tables' seven. Every runner on this decoder
+        shares them and a captured graph holds their addresses: outgrown tables are kept (`retired`)."""
         if self.cos.shape[0] >= n:
             return
         probe = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             cos, sin = self.rotary(probe, torch.arange(n, device=self.device)[None])  # [1, n, D]
+        if self.cos.shape[0]:
+            self.retired.append((self.cos, self.sin))
         self.cos, self.sin = cos[0], sin[0]
 
     def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,15 +43,22 @@ class LeanDraft:
                                int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim),
                                float(config.rms_norm_eps))
         self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [positions, D]
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown tables, which captured graphs still read
 
     def ensure_positions(self, n: int, dtype: torch.dtype) -> None:
         """The draft's rotary tables for positions 0..n-1 in `dtype` (models.domino's `rope_cos_sin`,
-        elementwise in the position: a row is what a forward at that position computes)."""
+        elementwise in the position: a row is what a forward at that position computes).
+
+        Every engine on this draft shares the tables, and a CUDA graph captured on them holds their
+        addresses: outgrown tables are kept alive (`retired`), never freed, or a graph of a smaller
+        cache would read freed memory once a larger cache is built."""
         if dtype in self.tables and self.tables[dtype][0].shape[0] >= n:
             return
         positions = torch.arange(n, device=self.fc.device)[None]
         with torch.inference_mode():
             cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)  # [1, 1, n, D]
+        if dtype in self.tables:
+            self.retired.append(self.tables[dtype])
         self.tables[dtype] = (cos[0, 0], sin[0, 0])
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
