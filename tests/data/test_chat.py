@@ -1,4 +1,5 @@
-"""Chat rendering and the assistant-only loss mask, on the real SmolLM2 tokenizer and ChatML template."""
+"""Chat rendering and the assistant-only loss mask, on the real SmolLM2 tokenizer and ChatML template, and on
+Qwen3's real tokenizer and template (which renders the last assistant turn with an empty think block)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import copy
 
 import numpy as np
 import pytest
-from data_helpers import sample_records, smollm2_tokenizer  # noqa: F401 (fixture)
+from data_helpers import qwen3_tokenizer, qwen3_tokenizer_dir, sample_records, smollm2_tokenizer  # noqa: F401
+from data_helpers import supervised_runs
 
 from dominospec.data.chat import TemplateError, render, render_batch, special_token_ids
 from dominospec.data.conversations import normalize_records
@@ -56,15 +58,7 @@ def test_tokens_equal_the_templates_own_tokenization(smollm2_tokenizer):
 
 
 def _supervised_runs(rendered) -> list[list[int]]:
-    """Maximal runs of consecutive supervised token ids."""
-    runs, current = [], []
-    for tid, m in zip(rendered.input_ids.tolist(), rendered.loss_mask.tolist()):
-        if m:
-            current.append(tid)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs + ([current] if current else [])
+    return supervised_runs(rendered.input_ids, rendered.loss_mask)
 
 
 def test_every_supervised_run_is_one_assistant_reply_and_its_end_of_turn(smollm2_tokenizer):
@@ -101,7 +95,7 @@ def test_a_template_that_rewrites_history_is_rejected(smollm2_tokenizer):
     with pytest.raises(TemplateError):
         render(tokenizer, KNOCK_KNOCK, max_length=1024)
     (result,) = render_batch(tokenizer, [KNOCK_KNOCK], 1024, special_token_ids(tokenizer))
-    assert isinstance(result, TemplateError)
+    assert isinstance(result, TemplateError) and result.reason == "template_rewrites_prompt"  # the user turn moved
 
 
 def test_a_template_without_special_closers_supervises_the_whole_turn(smollm2_tokenizer):
@@ -114,3 +108,60 @@ def test_a_template_without_special_closers_supervises_the_whole_turn(smollm2_to
     # "assistant: Who" tokenizes as "assistant", ":", "ĠWho": the token straddling the header's last space
     # carries the reply's first word, so it is supervised.
     assert [tokenizer.decode(run) for run in _supervised_runs(rendered)] == [" Who's there?\n", " Boo who?\n"]
+
+
+def test_qwen3_golden_loss_mask_for_two_turns(qwen3_tokenizer):
+    """The answered turn has no think block, the last one an empty one: template, not reply, so never supervised."""
+    expected = (
+        [("<|im_start|>", 0), ("user", 0), ("Ċ", 0), ("kn", 0), ("ock", 0), ("Ġknock", 0), ("<|im_end|>", 0), ("Ċ", 0)]
+        + [("<|im_start|>", 0), ("assistant", 0), ("Ċ", 0)]
+        + [("Who", 1), ("'s", 1), ("Ġthere", 1), ("?", 1), ("<|im_end|>", 1)]
+        + [("Ċ", 0)]
+        + [("<|im_start|>", 0), ("user", 0), ("Ċ", 0), ("boo", 0), ("<|im_end|>", 0), ("Ċ", 0)]
+        + [("<|im_start|>", 0), ("assistant", 0), ("Ċ", 0), ("<think>", 0), ("ĊĊ", 0), ("</think>", 0), ("ĊĊ", 0)]
+        + [("Bo", 1), ("o", 1), ("Ġwho", 1), ("?", 1), ("<|im_end|>", 1)]
+        + [("Ċ", 0)]
+    )
+    rendered = render(qwen3_tokenizer, KNOCK_KNOCK, max_length=1024)
+    tokens = qwen3_tokenizer.convert_ids_to_tokens(rendered.input_ids.tolist())
+    assert list(zip(tokens, rendered.loss_mask.tolist())) == expected
+    reference = qwen3_tokenizer.apply_chat_template(KNOCK_KNOCK, tokenize=True, return_dict=False)
+    assert rendered.input_ids.tolist() == list(reference)
+
+
+def test_qwen3_keeps_multi_turn_conversations_with_every_reply_supervised(qwen3_tokenizer):
+    """The real ShareGPT sample (four conversations of 2 to 4 replies, one with a system prompt): each is kept, its
+    tokens are the template's for the whole conversation, and its supervised runs decode to exactly its replies."""
+    conversations = _sample_conversations()
+    assert sum(sum(m["role"] == "assistant" for m in c) > 1 for c in conversations) == 4
+    rendered = render_batch(qwen3_tokenizer, conversations, 100_000, special_token_ids(qwen3_tokenizer))
+    for messages, r in zip(conversations, rendered):
+        assert not isinstance(r, TemplateError), r
+        reference = qwen3_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert r.input_ids.tolist() == list(reference)
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        assert [qwen3_tokenizer.decode(run) for run in _supervised_runs(r)] == replies
+
+
+def test_qwen3_reasoning_is_supervised_on_the_last_turn_and_rejected_where_the_template_drops_it(qwen3_tokenizer):
+    thought = {"role": "assistant", "content": "<think>\nThey are joking.\n</think>\n\nWho's there?"}
+    last = render(qwen3_tokenizer, [KNOCK_KNOCK[0], thought], max_length=1024)
+    # the target writes its reasoning itself: it is the reply's
+    assert [qwen3_tokenizer.decode(run) for run in _supervised_runs(last)] == [thought["content"] + "<|im_end|>"]
+    with pytest.raises(TemplateError) as err:  # answered, the turn keeps its answer only: not what the target wrote
+        render(qwen3_tokenizer, [KNOCK_KNOCK[0], thought, *KNOCK_KNOCK[2:]], max_length=1024)
+    assert err.value.reason == "template_rewrites_reply"
+
+
+def test_qwen3_an_assistant_message_after_an_assistant_message_is_a_named_skip(qwen3_tokenizer):
+    """Its prompt (the previous reply as last, with a think block) is not what the conversation shows (without)."""
+    messages = [*KNOCK_KNOCK[:2], {"role": "assistant", "content": "Anyone?"}]
+    (result,) = render_batch(qwen3_tokenizer, [messages], 1024, special_token_ids(qwen3_tokenizer))
+    assert isinstance(result, TemplateError) and result.reason == "template_rewrites_prompt"
+
+
+def test_consecutive_assistant_messages_stay_supervised_under_smollm2(smollm2_tokenizer):
+    messages = [*KNOCK_KNOCK[:2], {"role": "assistant", "content": "Anyone?"}]
+    rendered = render(smollm2_tokenizer, messages, max_length=1024)
+    replies = ["Who's there?<|im_end|>", "Anyone?<|im_end|>"]
+    assert [smollm2_tokenizer.decode(run) for run in _supervised_runs(rendered)] == replies

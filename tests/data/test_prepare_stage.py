@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from data_helpers import REPO, SHAREGPT_SAMPLE, sample_records, smollm2_tokenizer, tiny_target_dir, write_params  # noqa: F401
+from data_helpers import (  # noqa: F401 (fixtures)
+    REPO,
+    SHAREGPT_SAMPLE,
+    qwen3_tokenizer,
+    qwen3_tokenizer_dir,
+    sample_records,
+    smollm2_tokenizer,
+    supervised_runs,
+    tiny_target_dir,
+    write_params,
+)
 
 from dominospec.errors import UserError
 from dominospec.config import load_params
@@ -79,6 +90,36 @@ def test_prepare_metrics_account_for_every_record(prepared):
     assert metrics["assistant_tokens"] == sum(int(np.sum(m)) for d in splits.values() for m in d["loss_mask"])
     assert metrics["truncated_conversations"] == 0  # every kept conversation fits in 1024 tokens
     assert metrics["mask_token_id"] == 16 and metrics["seconds"] > 0
+
+
+def test_prepare_keeps_multi_turn_conversations_under_qwen3s_template(tmp_path, qwen3_tokenizer_dir, qwen3_tokenizer):
+    """Qwen3 renders the last reply after an empty think block and answered ones without: the sample's multi-turn
+    conversations are kept all the same, masked on exactly their replies; a reply right after a reply is skipped
+    by name (its prompt would show the previous reply's think block, the conversation does not)."""
+    target = tmp_path / "qwen3"  # the tokenizer and a config: all prepare reads of a target
+    shutil.copytree(qwen3_tokenizer_dir, target)
+    config = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}
+    (target / "config.json").write_text(json.dumps(config))
+    turns = [("human", "Name a prime."), ("gpt", "2."), ("gpt", "Or 3.")]
+    twice = {"id": "twice", "conversations": [{"from": role, "value": text} for role, text in turns]}
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*sample_records(), twice]))
+    params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)},
+                                      target={"model": str(target), "gguf_file": None}))  # fmt: skip
+    prepare(params)
+    splits, _ = read_dataset(params.paths.prepared)
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    rows = [r for d in splits.values() for r in d]
+    assert sorted(r["id"] for r in rows) == sorted(KEPT)
+    assert metrics["skipped"] == {"empty_conversation": 1, "no_assistant_tokens": 1, "one_sided": 3,
+                                  "template_rewrites_prompt": 1}  # fmt: skip
+    assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) == 4
+    for row in rows:
+        reference = qwen3_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
+        assert row["input_ids"] == list(reference)  # every kept conversation fits in 1024 tokens
+        runs = supervised_runs(row["input_ids"], row["loss_mask"])
+        replies = [m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"]
+        assert [qwen3_tokenizer.decode(run) for run in runs] == replies
 
 
 def test_short_max_length_truncates_and_skips_conversations_without_a_reply(tmp_path, tiny_target_dir):

@@ -43,27 +43,13 @@ def target_dir(tokenizer_dir, tmp_path_factory) -> Path:
                               tokenizer_dir=tokenizer_dir)
 
 
-def first_turns(tmp: Path) -> Path:
-    """The committed ShareGPT sample as single turns, each (human, gpt) pair a conversation of its own:
-    Qwen3's template rewrites answered turns, and the prepare stage skips a multi-turn conversation it
-    renders so (`template_mismatch`)."""
-    records = []
-    for r in json.loads(FIXTURE.read_text()):
-        turns = r["conversations"]
-        records += [{"id": f"{r['id']}-{k}", "conversations": turns[k:k + 2]} for k in range(len(turns) - 1)
-                    if turns[k]["from"] == "human" and turns[k + 1]["from"] == "gpt"]
-    path = tmp / "first_turns.json"
-    path.write_text(json.dumps(records))
-    return path
-
-
 def tiny_params(tmp: Path, target: Path):
     """The CPU default's params on the tiny Qwen3, everything under `tmp`, every stage small."""
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["paths"] = {k: str(tmp / v) for k, v in raw["paths"].items()}
     raw["mlflow"].update(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}", artifact_location=str(tmp / "mlartifacts"))
     raw["target"].update(model=str(target), gguf_file=None, device="cpu")
-    raw["prepare"].update(source=str(first_turns(tmp)), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
+    raw["prepare"].update(source=str(FIXTURE), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
     raw["regenerate"].update(enabled=False)
     raw["cache"].update(num_feature_layers=2, max_train_conversations=None, max_val_conversations=None)
     raw["draft"].update(block_size=4, gru_hidden_dim=16, emb_dim=8)
@@ -85,6 +71,7 @@ def test_the_stages_run_on_a_tiny_qwen3_with_its_real_tokenizer(target_dir, tmp_
         resolve(STAGES[stage])(params)
     metrics = Path(params.paths.metrics)
     prepare = json.loads((metrics / "prepare.json").read_text())
+    assert not any(reason.startswith("template_") for reason in prepare["skipped"])  # multi-turn conversations kept
     assert prepare["mask_token"].startswith("<|") and prepare["mask_token_id"] >= 151643  # one of Qwen3's added tokens
     assert json.loads((metrics / "train.json").read_text())["steps"] == 3
     draft = json.loads((Path(params.paths.draft) / "config.json").read_text())

@@ -3,13 +3,19 @@
 The mask marks the tokens the target itself produces when it answers: the content of every
 assistant message and the special token that closes its turn (SmolLM2: `<|im_end|>`, the
 end-of-turn token generation stops on). System and user turns, the assistant header
-(`<|im_start|>assistant\\n`) and template glue after the closing token (`\\n`) stay 0.
+(`<|im_start|>assistant\\n`), a thinking template's empty think block (Qwen3:
+`<think>\\n\\n</think>\\n\\n`) and template glue after the closing token (`\\n`) stay 0.
 
-How, without knowing the template: render the conversation once, and for assistant message k
-also render `messages[:k]` with the generation prompt and `messages[:k+1]` without it. Both must
-be prefixes of the full rendering (checked; a template that rewrites history fails with
-`TemplateError`); the characters between their ends are turn k. The full rendering is tokenized
-once with character offsets; a token belongs to turn k when it overlaps that span (so a token
+How, without knowing the template: render the whole conversation once; the tokens are always
+that rendering's (what the target sees at inference). For assistant message k, its *prompts* are
+`messages[:k]` rendered with the generation prompt, and, when the template has a thinking switch
+(`enable_thinking`), also with thinking off (Qwen3: the same plus the empty think block). Its
+*reply* is `messages[:k+1]` rendered (turn k as the last turn) less the longest of its prompts
+that prefixes it. In the whole rendering turn k starts after the longest of its prompts that
+prefixes it, and the reply must follow there (checked: `TemplateError`, with a reason). So a
+template may render a turn differently while it is the last one (Qwen3 adds the empty think
+block), as long as what the target says is the same text. The whole rendering is tokenized once
+with character offsets; a token belongs to turn k when it overlaps the reply's span (so a token
 merging the header's last space with the reply's first word counts as the reply's), and the
 turn's supervised tokens run from its first token to its last special token.
 """
@@ -29,7 +35,15 @@ Messages = Sequence[dict[str, str]]
 
 
 class TemplateError(ValueError):
-    """The chat template renders a conversation inconsistently with its own prefixes."""
+    """The chat template renders a conversation inconsistently with its own prefixes; `reason` names how
+    (a key of prepare's `skipped`)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+THINKING_OFF = {"enable_thinking": False}  # the switch of Qwen3-style templates; ignored by the others
 
 
 @dataclass
@@ -46,24 +60,42 @@ class Rendered:
         return self.full_length > len(self.input_ids)
 
 
-def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False) -> str:
-    """messages -> the chat template's text (no tokenization)."""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False, **switches: Any) -> str:
+    """messages -> the chat template's text (no tokenization); `switches` are template variables (THINKING_OFF)."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **switches
+    )
 
 
 def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-    """messages -> (full rendering, [(start, end) character span of each assistant turn, header excluded])."""
+    """messages -> (full rendering, [(start, end) character span of each assistant reply in it, header excluded]).
+
+    Raises TemplateError with a reason: `template_rewrites_prompt` when no prompt of turn k prefixes the full
+    rendering or `messages[:k+1]`'s (the target would be prompted with other text than the row shows);
+    `template_rewrites_reply` when turn k, rendered as the last turn, is not in the full rendering after its
+    prompt (e.g. Qwen3 drops an answered turn's reasoning).
+    """
     full = render_text(tokenizer, messages)
-    spans = []
+    # A template that never reads the switch renders the same text with it (Jinja): skip the second render.
+    thinking = THINKING_OFF if any(k in str(tokenizer.chat_template) for k in THINKING_OFF) else None
+    spans: list[tuple[int, int]] = []
     for k, message in enumerate(messages):
         if message["role"] != ASSISTANT:
             continue
-        head = render_text(tokenizer, messages[:k], add_generation_prompt=True)
+        prompts = [render_text(tokenizer, messages[:k], add_generation_prompt=True)]
+        if thinking:
+            prompts.append(render_text(tokenizer, messages[:k], add_generation_prompt=True, **thinking))
+        prompts = sorted(set(prompts), key=len, reverse=True)  # longest first
         turn = render_text(tokenizer, messages[: k + 1])
-        # Invariant: head ⊑ turn ⊑ full (as string prefixes), and the turn adds text.
-        if not (turn.startswith(head) and full.startswith(turn) and len(turn) > len(head)):
-            raise TemplateError(f"the chat template does not render assistant message {k} as a suffix of its prefix")
-        spans.append((len(head), len(turn)))
+        head = next((p for p in prompts if turn.startswith(p)), None)  # turn k's prompt, as last turn
+        prompt = next((p for p in prompts if full.startswith(p)), None)  # turn k's prompt, in the conversation
+        if head is None or prompt is None:  # e.g. Qwen3 right after an assistant message (its think block moves)
+            raise TemplateError("template_rewrites_prompt", f"no prompt of assistant message {k} prefixes its rendering")
+        reply, start = turn[len(head) :], len(prompt)
+        # Invariant: prompt ⊑ full, the reply follows it there, and the replies are non-empty and in order.
+        if not reply or not full.startswith(reply, start) or (spans and start < spans[-1][1]):
+            raise TemplateError("template_rewrites_reply", f"assistant message {k} differs from its last-turn rendering")
+        spans.append((start, start + len(reply)))
     return full, spans
 
 

@@ -146,9 +146,8 @@ def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int, specia
     out: dict[str, list] = {k: [] for k in names}
     for rendered in render_batch(tokenizer, batch["messages"], max_length, special_ids):
         if isinstance(rendered, TemplateError):
-            # typed empty rows: a batch mixing [] with int32 arrays fails arrow's concatenation (seen with Qwen3's
-            # template, which rewrites answered turns: most multi-turn conversations land here)
-            skip, ids, mask, seen, truncated = "template_mismatch", np.zeros(0, np.int32), np.zeros(0, np.int8), [], False
+            # typed empty rows: a batch mixing [] with int32 arrays fails arrow's concatenation
+            skip, ids, mask, seen, truncated = rendered.reason, np.zeros(0, np.int32), np.zeros(0, np.int8), [], False
         else:
             ids, mask, truncated = rendered.input_ids, rendered.loss_mask, rendered.truncated
             seen = np.intersect1d(rendered.token_ids_seen, candidates).tolist()

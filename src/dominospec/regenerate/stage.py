@@ -279,7 +279,7 @@ def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask
         if not entry["messages"]:
             skipped["prompt_reaches_max_length"] += 1  # no room left for even one reply
         elif isinstance(r, TemplateError):
-            skipped["template_mismatch"] += 1
+            skipped[r.reason] += 1
         elif not r.loss_mask.any():
             skipped["no_assistant_tokens"] += 1
         elif mask_token_id in r.token_ids_seen:
