@@ -139,7 +139,7 @@ def rounds(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None
         engine = SpecEngine(target, None if mode == "ar" else draft, mode, None, options)
         engine.generate(prompts[0], args.new_tokens)  # captures, allocations, kernels: the timed shapes
         p = pooled([engine.generate(prompt, args.new_tokens) for prompt in prompts])
-        out["rounds"]["modes"][name] = dict(runner="lean" if engine.lean is not None else "hf static", verify_rows=rows,
+        out["rounds"]["modes"][name] = dict(runner="lean" if engine.runners.lean is not None else "hf static", verify_rows=rows,
                                             **{k: p[k] for k in ("rounds", "draft_ms_per_round", "rollout_ms_per_round",
                                                                  "verify_ms_per_round", "wall_ms_per_round",
                                                                  "host_ms_per_round")})

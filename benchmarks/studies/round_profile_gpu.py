@@ -47,7 +47,7 @@ def device_ms(fn, reps: int) -> float:
 
 def replay_times(engine, K: int, reps: int) -> dict:
     """The graphs the last generation built -> device ms of one replay each (T rows, draft block, rollout)."""
-    kv, drafter = engine._static
+    kv, drafter = engine.runners.last
     out = {}
     for T, (graph, _) in sorted(kv.graphs.graphs.items()):
         out[f"target T={T}"] = device_ms(graph.replay, reps)

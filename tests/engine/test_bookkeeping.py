@@ -14,7 +14,7 @@ import torch
 from engine_helpers import engine_params, EOS, random_prompts, tiny_draft, tiny_target
 
 import dominospec.engine.draft_block as draft_block_module
-import dominospec.engine.spec as spec_module
+import dominospec.engine.accept as accept_module
 import dominospec.engine.target_kv as target_kv_module
 from dominospec.errors import UserError
 from dominospec.engine import Sampling, SpecEngine
@@ -45,7 +45,7 @@ def static_caches(engine: SpecEngine, rows: int) -> tuple:
     """The static runners' first `rows` rows, in the shapes of the dynamic caches (SimpleNamespaces)."""
     from types import SimpleNamespace
 
-    kv, drafter = engine._static
+    kv, drafter = engine.runners.last
     layers = [SimpleNamespace(keys=l.keys[:, :, :rows], values=l.values[:, :, :rows]) for l in kv.cache.layers]
     context = SimpleNamespace(keys=[k[:, :, :rows] for k in drafter.keys], values=[v[:, :, :rows] for v in drafter.values])
     return SimpleNamespace(layers=layers), context, kv.length, drafter.length
@@ -188,9 +188,10 @@ def test_first_round_drafts_follow_the_block_layout(target, draft, monkeypatch, 
     the lossless tests (it only lowers τ), so the base logits and proposals are checked directly."""
     engine = SpecEngine(target, draft, mode, params=engine_params())
     base_seen, proposals = [], []
-    engine.draft_lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
-    accept = spec_module.accept_greedy
-    monkeypatch.setattr(spec_module, "accept_greedy", lambda d, logits: proposals.append(d.tolist()) or accept(d, logits))
+    engine.runners.draft_lm_head = lambda z: base_seen.append(target.lm_head(z)) or base_seen[-1]
+    accept = accept_module.accept_greedy
+    monkeypatch.setattr(accept_module, "accept_greedy",
+                        lambda ids, parents, logits: proposals.append(ids[1:].tolist()) or accept(ids, parents, logits))
     prompt = [3, 6, 4, 5, 7, 3]
     T, B = len(prompt), draft.config.block_size
     engine.generate(prompt, 20)

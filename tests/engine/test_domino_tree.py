@@ -1,4 +1,4 @@
-"""DominoTree (engine.domino_tree, tree_accept, tree_policy, tree_round; mode `dominotree`).
+"""DominoTree (engine.domino_tree, accept, tree_policy, proposers; mode `dominotree`).
 
 - The depth-by-depth build equals a textbook max-heap best-first build (one node at a time, each
   path's own GRU state and correction), full vocabulary and pooled, greedy and warped scores.
@@ -27,12 +27,12 @@ from engine_helpers import engine_params, random_prompts, repetitive_prompts, st
 from test_lossless_sampling import VOCAB, chi_square_p, exact_joint, marginals, sample_x2_x3
 from scipy.stats import chi2
 
-import dominospec.engine.tree_accept as tree_accept
+import dominospec.engine.accept as accept_module
 from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.domino_tree import ancestor_bits, grow_tree
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.draft_head import candidate_pool
-from dominospec.engine.tree_accept import GreedyWalk, accept_sampled_tree
+from dominospec.engine.accept import GreedyWalk, accept_sampled
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
 from dominospec.errors import UserError
 
@@ -146,7 +146,7 @@ def test_greedy_dominotree_equals_ar(num_draft, runner, options):
         options = dataclasses.replace(options, cuda_graphs="static", graph_capacity=128, lean_target="on" if runner == "lean" else "off")
     engine = SpecEngine(target, draft, "dominotree", num_draft, options)
     assert engine.max_verify == options.tree_nodes + (7 if options.ngram_fork else 0)
-    assert (engine.lean is not None) == (runner == "lean")
+    assert (engine.runners.lean is not None) == (runner == "lean")
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     stats = stats_equal_to_ar(engine, ar)
     trees, side_wins = sum(s.tree_rounds for s in stats), sum(s.tree_side_wins for s in stats)
@@ -198,7 +198,7 @@ def test_a_wrong_residual_fails_the_same_test(sampled_setup, monkeypatch):
     target, draft = sampled_setup
     sampling = Sampling(temperature=1.0)
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
-    monkeypatch.setattr(tree_accept, "residual", lambda p, rejected: p)  # the rejected children keep their mass
+    monkeypatch.setattr(accept_module, "residual", lambda p, rejected: p)  # the rejected children keep their mass
     engine = SpecEngine(target, draft, "dominotree", None, SAMPLED[0][1])
     x2, pairs, _ = sample_x2_x3(engine, sampling, BROKEN_SAMPLES)
     assert min(chi_square_p(x2, x2_exact, BROKEN_SAMPLES), chi_square_p(pairs, pair_exact, BROKEN_SAMPLES)) < 1e-6
@@ -213,10 +213,11 @@ def test_recursive_rejection_at_one_node_draws_from_p():
     n = 4000
     first = Counter()
     for _ in range(n):
-        rows, accepted, nxt = accept_sampled_tree(tokens, parents, probs, g)
+        out = accept_sampled(tokens, parents, probs, None, g)
+        rows = out.rows
         assert rows[0] == 0 and all(int(parents[b]) == a for a, b in zip(rows, rows[1:]))
-        assert accepted == [int(tokens[r]) for r in rows[1:]]
-        first[(accepted + [nxt])[0]] += 1
+        assert out.tokens[:-1] == [int(tokens[r]) for r in rows[1:]]
+        first[out.tokens[0]] += 1
     observed = torch.tensor([first[v] for v in range(8)], dtype=torch.float64)
     stat = float(((observed - n * p) ** 2 / (n * p)).sum())
     assert chi2.sf(stat, 7) > 1e-3

@@ -24,7 +24,10 @@ import torch
 from engine_helpers import engine_params, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine.fork import accept_branches, branch_tree, chain_tree
+from dominospec.engine.accept import accept_greedy
+from dominospec.engine.fork import branch_tree, chain_tree
+from dominospec.engine.proposal import chains
+from dominospec.engine.verdict import Verdict
 from dominospec.engine.policy import RoundCost, choose_k, choose_tree
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
@@ -86,21 +89,32 @@ def one_hot_logits(rows: list[int], V: int = 10) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(rows), V).double()
 
 
-def test_accept_branches_keeps_the_longest_and_the_earlier_on_a_tie():
+def branches_verdict(branches, logits):
+    """Chains under row 0 (drafts first, the last a lookup when `lookup`), verify logits in branch_tree's
+    row order -> (the verdict, per-branch acceptance, the winner's index)."""
+    x_start = torch.tensor([0])
+    proposal = chains([("draft", b) for b in branches], x_start)
+    ids = torch.cat([x_start, proposal.tokens])
+    verdict = Verdict(accept_greedy(ids, proposal.parents, logits), None, proposal)
+    per_branch = [len(verdict.path_in(part)) for part in proposal.parts]
+    return verdict, per_branch, proposal.parts.index(verdict.winner())
+
+
+def test_greedy_acceptance_on_branches_keeps_the_longest_and_the_earlier_on_a_tie():
     chain, lookup = torch.tensor([4, 5, 6]), torch.tensor([4, 8, 9])
     # target's greedy tokens by row: row 0 -> 4; chain rows (4, 5, 6) -> 5, 1, _; lookup rows (4, 8, 9) -> 8, 9, 3
-    got = accept_branches([chain, lookup], one_hot_logits([4, 5, 1, 0, 8, 9, 3]))
-    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([2, 3], 1, 3, 3, [0, 4, 5, 6])
-    got = accept_branches([chain, lookup], one_hot_logits([4, 5, 6, 7, 0, 0, 0]))
-    assert (got.accepted, got.next_token, got.rows, got.winner) == (3, 7, [0, 1, 2, 3], 0)
-    got = accept_branches([chain, lookup], one_hot_logits([4, 0, 0, 0, 0, 0, 0]))  # a tie at 1: the chain
-    assert (got.accepted, got.winner, got.rows) == (1, 0, [0, 1])
+    v, per_branch, winner = branches_verdict([chain, lookup], one_hot_logits([4, 5, 1, 0, 8, 9, 3]))
+    assert (per_branch, winner, v.tokens, v.rows) == ([2, 3], 1, [4, 8, 9, 3], [0, 4, 5, 6])
+    v, _, winner = branches_verdict([chain, lookup], one_hot_logits([4, 5, 6, 7, 0, 0, 0]))
+    assert (v.tokens, v.rows, winner) == ([4, 5, 6, 7], [0, 1, 2, 3], 0)
+    v, _, winner = branches_verdict([chain, lookup], one_hot_logits([4, 0, 0, 0, 0, 0, 0]))  # a tie at 1: the chain
+    assert (v.tokens, winner, v.rows) == ([4, 0], 0, [0, 1])
     # three draft branches (first guesses 4, 2, 6), the second right for two tokens, then a plain miss
     branches = [torch.tensor([4, 5]), torch.tensor([2, 7]), torch.tensor([6, 1])]
-    got = accept_branches(branches, one_hot_logits([2, 0, 0, 7, 9, 0, 0]))
-    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([0, 2, 0], 1, 2, 9, [0, 3, 4])
-    got = accept_branches(branches, one_hot_logits([3, 0, 0, 0, 0, 0, 0]))  # none: the target's own token
-    assert (got.per_branch, got.winner, got.accepted, got.next_token, got.rows) == ([0, 0, 0], 0, 0, 3, [0])
+    v, per_branch, winner = branches_verdict(branches, one_hot_logits([2, 0, 0, 7, 9, 0, 0]))
+    assert (per_branch, winner, v.tokens, v.rows) == ([0, 2, 0], 1, [2, 7, 9], [0, 3, 4])
+    v, per_branch, winner = branches_verdict(branches, one_hot_logits([3, 0, 0, 0, 0, 0, 0]))  # none: the target's own
+    assert (per_branch, winner, v.tokens, v.rows) == ([0, 0, 0], 0, [3], [0])
 
 
 def _rate(cost, chain, lookup, ranks, width, kd, kl):

@@ -139,7 +139,7 @@ def test_engine_on_the_lean_decoder_generates_what_the_static_runner_does(mode, 
     draft = tiny_draft(target, block_size=6, seed=8) if mode in ("domino", "dflash") else None
     plain = SpecEngine(target, draft, mode, None, dataclasses.replace(STATIC, **options))
     lean = SpecEngine(target, draft, mode, None, dataclasses.replace(LEAN, **options))
-    assert lean.lean is not None and plain.lean is None
+    assert lean.runners.lean is not None and plain.runners.lean is None
     lean.capture(64)  # every shape run once beforehand (graphs on a GPU): generation is unchanged by it
     for prompt in repetitive_prompts(4, 8, seed=3) + random_prompts(4, 8, seed=2):
         a, b = plain.generate(prompt, 20), lean.generate(prompt, 20)
@@ -151,8 +151,8 @@ def test_engine_on_the_lean_decoder_generates_what_the_static_runner_does(mode, 
 def test_lean_target_auto_off_and_refusals():
     target = tiny_target("llama", vocab=8, dtype=torch.float64, max_positions=128)
     draft = tiny_draft(target, block_size=6, seed=8)
-    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).lean is None  # CPU
-    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).lean is None
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).runners.lean is None  # CPU
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).runners.lean is None
     with pytest.raises(UserError, match="widest round verifies 326 rows, over 320"):
         SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=65))  # 65 x 5 + 1 rows
     with pytest.raises(UserError, match="lean_target must be on, off or auto"):

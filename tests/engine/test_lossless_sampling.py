@@ -15,7 +15,8 @@ import torch
 from engine_helpers import engine_params, tiny_draft, tiny_target
 from scipy.stats import chi2
 
-import dominospec.engine.spec as spec_module
+import dominospec.engine.accept as accept_module
+from dominospec.engine.accept import Accepted
 from dominospec.engine import Sampling, SpecEngine
 
 VOCAB, PROMPT = 8, [3, 5, 4, 6]
@@ -100,21 +101,26 @@ def test_spec_sampling_matches_target_distribution(setup, mode, sampling, option
     assert chi_square_p(pairs, pair_exact, SAMPLES) > 1e-3
 
 
-def always_accept(draft_tokens, draft_probs, target_probs, generator):
-    K = draft_tokens.shape[0]
-    return K, int(torch.multinomial(target_probs[K][None], 1, generator=generator)[0, 0])
+def always_accept(ids, parents, probs, q, generator):
+    """Every proposed row taken (a chain: all of it), the next token from p after the last."""
+    T = probs.shape[0]
+    return Accepted(list(range(T)), ids[1:T].tolist() + [int(torch.multinomial(probs[T - 1][None], 1,
+                                                                                 generator=generator)[0, 0])], None)
 
 
-def resample_from_p(draft_tokens, draft_probs, target_probs, generator):
+def resample_from_p(ids, parents, probs, q, generator):
     """Right acceptance test, wrong rejection draw: from p instead of the residual max(0, p - q)."""
-    K = draft_tokens.shape[0]
-    if K == 0:
-        return 0, int(torch.multinomial(target_probs[0][None], 1, generator=generator)[0, 0])
-    rows = torch.arange(K)
-    ratio = target_probs[rows, draft_tokens] / draft_probs[rows, draft_tokens]
-    u = torch.rand(K, generator=generator, dtype=ratio.dtype)
-    n = int((u < ratio).long().cumprod(0).sum())
-    return n, int(torch.multinomial(target_probs[n][None], 1, generator=generator)[0, 0])
+    T = probs.shape[0]
+    if T == 1:
+        return Accepted([0], [int(torch.multinomial(probs[0][None], 1, generator=generator)[0, 0])], None)
+    rows = torch.arange(1, T)
+    tokens = ids[1:T]
+    p_at = probs[rows - 1, tokens]
+    q_at = q[rows - 1, tokens] if q is not None else torch.ones_like(p_at)
+    u = torch.rand(T - 1, generator=generator, dtype=p_at.dtype)
+    n = int((u < p_at / q_at).long().cumprod(0).sum())
+    nxt = int(torch.multinomial(probs[n][None], 1, generator=generator)[0, 0])
+    return Accepted(list(range(n + 1)), tokens[:n].tolist() + [nxt], None)
 
 
 @pytest.mark.parametrize("broken", [always_accept, resample_from_p])
@@ -122,7 +128,7 @@ def test_broken_acceptance_rules_fail_the_same_test(setup, monkeypatch, broken):
     target, draft = setup
     sampling = Sampling(temperature=1.0)
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
-    monkeypatch.setattr(spec_module, "accept_sampled", broken)
+    monkeypatch.setattr(accept_module, "accept_sampled", broken)
     x2, pairs, _ = sample_x2_x3(SpecEngine(target, draft, "domino", params=engine_params()), sampling, BROKEN_SAMPLES)
     n = BROKEN_SAMPLES
     assert min(chi_square_p(x2, x2_exact, n), chi_square_p(pairs, pair_exact, n)) < 1e-6

@@ -109,7 +109,7 @@ def test_assist_keeps_separate_acceptance_for_lookups_and_chains():
     engine.calibrate(random_prompts(1, 8, seed=9)[0])
     assert len(engine.cost.verify) == 8  # verify of up to 7 lookup tokens is measured too
     out = engine.generate(repetitive_prompts(1, 8, seed=3)[0] * 2, 40)
-    lookups, chains = engine.lookup_acceptance, engine.acceptance
+    lookups, chains = engine.proposer.lookup_acceptance, engine.proposer.acceptance
     assert lookups is not chains and lookups.k_max == 7 and chains.k_max == 3
     assert out.stats.lookup_rounds > 0 and sum(lookups.tried) > 0
     if out.stats.draft_rounds == out.stats.lookup_rounds:  # no chain ran: the draft's model only aged

@@ -15,11 +15,11 @@ import torch
 from engine_helpers import engine_params, draft_runners_agree, streaming_cost, random_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine import spec as spec_module
+from dominospec.engine import runners as runners_module
 from dominospec.engine.draft_block import StaticDraftBlock
 from dominospec.engine.graphs import ShapeGraphs
 from dominospec.engine.sampling import Sampling
-from dominospec.engine.spec import static_buckets
+from dominospec.engine.runners import static_buckets
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=96)
@@ -154,12 +154,12 @@ def test_static_buckets_double_up_to_the_capacity():
 def test_a_generation_runs_on_the_smallest_bucket_that_holds_it(target, draft, monkeypatch):
     """Short and long generations on buckets 32 / 64 / 128 give the dynamic engine's tokens, each
     bucket built once and reused."""
-    monkeypatch.setattr(spec_module, "MIN_BUCKET", 32)
+    monkeypatch.setattr(runners_module, "MIN_BUCKET", 32)
     static = SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, graph_capacity=128, ngram_assist=True))
     dynamic = SpecEngine(target, draft, "domino", None, engine_params(ngram_assist=True))
     prompt = random_prompts(1, 8, seed=7, min_len=8, max_len=8)[0]
     for new_tokens, bucket in ((8, 32), (40, 64), (100, 128), (8, 32)):
         out = static.generate(prompt, new_tokens)
         assert out.stats.static_cache and out.token_ids == dynamic.generate(prompt, new_tokens).token_ids
-        assert static._static is static._statics[bucket] and static._static[0].capacity == bucket
-    assert sorted(static._statics) == [32, 64, 128]
+        assert static.runners.last == static.runners.buckets[bucket] and static.runners.last[0].capacity == bucket
+    assert sorted(static.runners.buckets) == [32, 64, 128]

@@ -1,16 +1,16 @@
 """Measure what a round costs on this machine, phase by phase, for auto-K (engine.policy.RoundCost).
 
-On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's
-features (the verify of r-1 drafts; r = 1 is the plain step; R - 1 the most a round verifies: a
-chain of K_max, a prompt lookup, a tree; a runner that pads r up to a bucket is timed once a
-bucket), the draft forward over the block with
-the base logits of K_max rows, a K_max-step chain, and (`tree_width` W > 1) W branches of K_max
-drafts (engine.draft_head), and (`dominotree`) the growth of the whole tree (engine.domino_tree); each `repeats` times, the phases
-interleaved so that machine load hits them alike, and the fastest kept (load only ever adds time:
-the minimum is the machine's own cost, and K does not follow one descheduled sample). Greedy
-chain. The measurement runs on the engine's own runners (static caches and CUDA graphs when it
-uses them, so auto-K sees the round it will run); they are cropped back after every measurement
-and reset by the next generation.
+On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's features
+(the verify of r - 1 proposed tokens; r = 1 is the plain step; R - 1 the most a round verifies: a
+chain of K_max, W chains, a tree, a lookup beside them; a runner that pads r up to a row bucket is
+timed once a bucket), the draft forward over the block with the base logits of K_max rows, a
+K_max-step chain, (`tree_width` W > 1) W chains of K_max drafts, and (`dominotree`) the growth of
+the whole tree; each `repeats` times, the phases interleaved so that machine load hits them alike,
+and the fastest kept (load only ever adds time: the minimum is the machine's own cost, and K does
+not follow one descheduled sample). The measurement runs on the engine's own runners (static
+caches and CUDA graphs when it uses them, so auto-K sees the round it will run), which the engine
+passes in (engine.runners); they are cropped back after every measurement and reset by the next
+generation.
 
 A wider verify never costs less than a narrower one (the same weights stream, over more rows), so
 the verify costs are fitted non-decreasing in r (`nondecreasing`: the least-squares isotonic fit,
@@ -20,68 +20,69 @@ than a 7-row lookup, and auto-K's choices, and with them τ, follow the noise of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.sampling import Sampling
 
-if TYPE_CHECKING:
-    from dominospec.engine.spec import SpecEngine
-
 REPEATS = 5
 
 
 @torch.inference_mode()
-def measure_round_cost(engine: "SpecEngine", prompt: list[int], repeats: int = REPEATS,
+def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, width: int, ids: torch.Tensor, num_draft: int,
+                       rows: int, draft_dtype: torch.dtype, now: Callable[[], float], repeats: int = REPEATS,
                        shared: Optional[RoundCost] = None) -> RoundCost:
-    """Engine (spec mode) + prompt ids -> RoundCost (ms, minimum over `repeats`).
+    """An engine's runners (target KV, draft block or None; reset, with room for the prompt and `rows`
+    more), its draft head (engine.draft_head) and tree grower (or None), its W first guesses, a prompt's
+    ids [T] on the device -> RoundCost (ms, minimum over `repeats`): verify costs for 1..`rows` rows,
+    chains of `num_draft`.
+    `now()` reads the wall clock after the device's queued work.
 
     `shared`: the cost another engine measured on the same target and draft (evaluate's modes side
     by side). Its verify costs (as many rows as this engine verifies) and draft forward are taken as
     they are, and only this engine's own chain and branch steps are measured: modes compared on the
     same prompts then choose their shapes from one measurement of the machine, not from two samples
     of its noise. A shared cost with fewer verify rows than this engine needs is measured afresh."""
-    ids = torch.tensor(prompt, device=engine.device)
-    T, K, R = ids.numel(), engine.num_draft, engine.max_verify + 1  # R: the most rows a verify has
+    T, K, R = ids.numel(), num_draft, rows  # R: the most rows a verify has
     if shared is not None and len(shared.verify) < R:
         shared = None
-    kv, drafter = engine.runners(T + max(R, engine.block_size) + 1)
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
-        drafter.extend(features.to(engine.draft_dtype))
+        drafter.extend(features.to(draft_dtype))
     shapes = runner_shapes(kv, R)  # r -> the rows its forward runs (a lean runner pads to its bucket)
     verify = {r: [] for r in sorted(set(shapes.values()))}
     draft_ms, chain_ms, branch_ms, build_ms = [], [], [], []
     widest = max(verify) if verify else R
-    rows = ids.repeat(widest)[:widest]  # any real tokens will do: the cost does not depend on them
+    tokens = ids.repeat(widest)[:widest]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
     for _ in range(repeats):
         for r in verify if shared is None else ():
-            t0 = engine.now()
-            kv.forward(rows[:r][None], keep=r)
-            verify[r].append(1000 * (engine.now() - t0))
+            t0 = now()
+            kv.forward(tokens[:r][None], keep=r)
+            verify[r].append(1000 * (now() - t0))
             kv.crop(T)
         if drafter is not None:
-            t0 = engine.now()
+            t0 = now()
             z, base_logits = drafter.block(None, x_start, T, K)
-            t1 = engine.now()
-            engine.head.chain(z, base_logits, x_start, Sampling(), None, confidence=True)
-            t2 = engine.now()
+            t1 = now()
+            head.chain(z, base_logits, x_start, Sampling(), None, confidence=True)
+            t2 = now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
-            if engine.tree_width > 1:
-                engine.head.branches(z, base_logits, x_start, engine.tree_width)
-                branch_ms.append(1000 * (engine.now() - t2) / K)
-            if engine.grower is not None:
-                t3 = engine.now()
-                engine.grower.grow(z, base_logits, x_start)
-                build_ms.append(1000 * (engine.now() - t3))
+            if width > 1:
+                head.branches(z, base_logits, x_start, width)
+                branch_ms.append(1000 * (now() - t2) / K)
+            if grower is not None:
+                t3 = now()
+                grower.grow(z, base_logits, x_start)
+                build_ms.append(1000 * (now() - t3))
     if shared is not None:
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
                          rollout_step=min(chain_ms) if chain_ms else 0.0,
-                         branch_step=min(branch_ms) if branch_ms else 0.0, tree_build=min(build_ms) if build_ms else 0.0)
+                         branch_step=min(branch_ms) if branch_ms else 0.0,
+                         tree_build=min(build_ms) if build_ms else 0.0)
     return RoundCost(verify=nondecreasing([min(verify[shapes[r]]) for r in range(1, R + 1)]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0,

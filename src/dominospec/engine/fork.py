@@ -23,13 +23,14 @@ would get (up to the rounding of a wider forward). A chain is the tree of one br
 (`chain_tree`). The engine orders the branches: the draft's (its best first token first), then the
 lookup.
 
-Greedy acceptance on each branch (`accept_branches`) commits the target's own greedy tokens, so the
-branches agree on every token two of them accept, and the one that accepts most wins (a tie goes to
-the earlier branch: the first draft branch's rows are already in place). The target KV and the
-features then keep row 0 and the winner's rows (`Branched.rows`): the runner moves them into place
-(`select`) before the crop. Greedy only: under sampling, several proposals for one position need
-multi-draft rejection (as in SpecInfer), which the engine does not do; a sampled round verifies one
-branch.
+Greedy acceptance (engine.accept) walks the branches like any tree: the target's own greedy
+tokens are committed, so the branches agree on every token two of them accept, and the one that
+accepts most wins (a tie goes to the earlier branch: the first draft branch's rows are already in
+place). The target KV and the features then keep row 0 and the winner's rows: the runner moves
+them into place (`select`) before the crop. Greedy only: under sampling, several proposals for one
+position need multi-draft rejection over their q, which the engine does not do for the draft's
+chains; a sampled round verifies one chain (DominoTree's deterministic children are point masses,
+engine.accept).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.sampling import first_mismatch
 
 MAX_TREE_ROWS = 320  # rows of one lean verify: x_start, 256 tree nodes and a lookup chain fit (kernels.tree_attention)
 
@@ -115,30 +115,3 @@ def _branch_tree(lengths: tuple[int, ...], device: torch.device) -> Tree:
     same = (branch[:, None] == branch[None, :]) & (rows[None, :] <= rows[:, None])
     visible = same | (rows[None, :] == 0)  # every row sees row 0
     return Tree.of(depth.to(device), visible.to(device))
-
-
-@dataclass(frozen=True)
-class Branched:
-    """What a greedy branching round accepted: per branch, and the winner's."""
-
-    per_branch: list[int]  # n_b: the tokens of branch b the target accepted
-    winner: int  # the first branch with the most accepted (its rows must move into place unless it is branch 0)
-    accepted: int  # n = max_b n_b
-    next_token: int  # the target's token after the winner's n accepted ones
-    rows: list[int]  # [n + 1]: verify rows of x_start and the winner's accepted tokens, in order
-
-
-def accept_branches(branches: Sequence[torch.Tensor], logits: torch.Tensor) -> Branched:
-    """Proposals [K_b] per branch, verify logits [1 + sum K_b, V] in branch_tree's row order -> Branched."""
-    ids = torch.cat([logits.argmax(-1), *[p.to(torch.long) for p in branches]]).tolist()  # one device -> host copy
-    choice, proposals = ids[:logits.shape[0]], ids[logits.shape[0]:]
-    per_branch, best, first = [], None, 1
-    for b, proposal in enumerate(branches):
-        rows = [0] + list(range(first, first + proposal.shape[0]))
-        n, nxt = first_mismatch(proposals[first - 1:first - 1 + proposal.shape[0]], [choice[r] for r in rows])
-        per_branch.append(n)
-        if best is None or n > best[1]:
-            best = (b, n, nxt, rows[:n + 1])
-        first += proposal.shape[0]
-    winner, n, nxt, rows = best
-    return Branched(per_branch, winner, n, nxt, rows)

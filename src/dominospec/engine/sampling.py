@@ -1,17 +1,7 @@
-"""Sampling and the two lossless acceptance rules.
-
-`Sampling` turns logits into the distribution tokens are drawn from: temperature, then top-k,
-then top-p, applied identically to the target's p and the draft's q. Temperature 0 is greedy.
-
-Acceptance of the draft tokens d_1..d_K against the verify logits (row i = the target's
-next-token logits after verify_ids[i], verify_ids = [x_start, d_1..d_K]):
-
-- greedy: d_k is accepted while it equals the target's argmax; the next token is the target's
-  argmax after the accepted prefix (correction, or bonus when all K are accepted).
-- sampled (lossless speculative sampling): d_k is accepted with probability min(1, p_k(d_k) /
-  q_k(d_k)); at the first rejection the next token is drawn from normalise(max(0, p_k - q_k));
-  when all are accepted the bonus is drawn from p_{K+1}. Every emitted token is then an exact
-  sample of the target's (warped) distribution, whatever q is, provided d_k was drawn from q_k.
+"""How tokens are drawn: `Sampling` turns logits into the distribution tokens are drawn from
+(temperature, then top-k, then top-p), applied identically to the target's p and the draft's q.
+Temperature 0 is greedy. The acceptance rules that keep speculative decoding lossless under it
+are in engine.accept.
 """
 
 from __future__ import annotations
@@ -64,44 +54,3 @@ class Sampling:
         if self.greedy:
             return logits.argmax(-1)
         return torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
-
-
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Drafts [K], verify logits [K+1, V] -> (accepted count n in 0..K, next token id)."""
-    K = draft_tokens.shape[0]
-    both = torch.cat([draft_tokens.to(torch.long), target_logits.argmax(-1)]).tolist()  # one device -> host copy
-    return first_mismatch(both[:K], both[K:])
-
-
-def first_mismatch(drafts: list[int], choice: list[int]) -> tuple[int, int]:
-    """Drafts [K], the target's greedy tokens [K+1] -> (n: the drafts before the first that differs, choice[n])."""
-    n = next((i for i, (d, c) in enumerate(zip(drafts, choice)) if d != c), len(drafts))
-    return n, choice[n]
-
-
-def accept_sampled(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: Optional[torch.Generator],
-) -> tuple[int, int]:
-    """Drafts [K] drawn from q [K, V], target p [K+1, V] -> (accepted count n, next token id).
-
-    Lossless speculative sampling (module docstring). p and q must be warped the same way.
-    """
-    K = draft_tokens.shape[0]
-    if K:
-        rows = torch.arange(K, device=draft_tokens.device)
-        p = target_probs[rows, draft_tokens]  # [K]
-        q = draft_probs[rows, draft_tokens]  # [K] > 0: d_k was drawn from q_k
-        u = torch.rand(K, generator=generator, device=p.device)
-        n = int((u * q < p).long().cumprod(0).sum())  # u < p/q, i.e. accept w.p. min(1, p/q)
-    else:
-        n = 0
-    if n == K:
-        dist = target_probs[K]  # bonus
-    else:
-        dist = (target_probs[n] - draft_probs[n]).clamp_min(0.0)  # residual
-        if float(dist.sum()) <= 0.0:  # p == q up to rounding: the residual is empty
-            dist = target_probs[n]
-    return n, int(torch.multinomial(dist[None], 1, generator=generator)[0, 0])

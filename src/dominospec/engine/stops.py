@@ -49,3 +49,14 @@ def cut_at_stop_string(text: str, stop_strings: tuple[str, ...], search_from: in
     """Decoded text -> index where the earliest stop string starts (at or after `search_from`), or None."""
     hits = [i for s in stop_strings if (i := text.find(s, search_from)) >= 0]
     return min(hits) if hits else None
+
+
+def admit(tokens: list[int], proposed: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
+    """How many of `proposed` may follow `tokens` within `budget` new tokens -> (count, finish reason or None)."""
+    room = budget - len(tokens)
+    stop = first_stop_token(proposed[:room], stop_ids)
+    if stop is not None:
+        return stop + 1, "stop_token"
+    if len(proposed) >= room:
+        return room, "length"
+    return len(proposed), None

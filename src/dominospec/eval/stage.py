@@ -173,8 +173,8 @@ def calibrate_together(engines: dict[str, SpecEngine], spec_mode: str, prompt: A
 def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
     """An auto-K engine after the run -> its measured round cost by K, what that cost needs and gives, and
     the K its last acceptance estimate chooses (eval.json `auto_k`)."""
-    cost, k_max = engine.cost, engine.num_draft
-    survival = engine.acceptance.survival()
+    cost, k_max, models = engine.cost, engine.num_draft, engine.proposer
+    survival = models.acceptance.survival()
     over_ar = [cost.round_ms(k) / cost.round_ms(0) for k in range(k_max + 1)]
     record = {
         "cost_ms": cost.as_dict(),  # verify[r-1]: target forward over r rows; draft forward; one chain step
@@ -185,24 +185,24 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         "k_at_end": choose_k(cost, survival, k_max),
     }
     ranks = tree_shares(engine)
-    lookups = engine.lookup_acceptance
-    if lookups is not None and lookups is not engine.acceptance:  # ngram_assist: the lookups' own model
+    lookups = models.lookup_acceptance
+    if lookups is not None and lookups is not models.acceptance:  # ngram_assist: the lookups' own model
         survival = lookups.survival()
         record["lookup"] = {
             "round_over_ar_step_by_k": [cost.lookup_ms(k) / cost.round_ms(0) for k in range(engine.lookup_k_max + 1)],
             "acceptance_estimate_at_end": survival,
             "k_at_end": choose_k(cost, survival, engine.lookup_k_max, lookup=True),
         }
-        if engine.forking:  # the (W, K_d, K_l) a full lookup would get now
-            record["fork"] = {"k_at_end": list(choose_tree(cost, engine.acceptance.survival(), survival, k_max,
+        if models.fork:  # the (W, K_d, K_l) a full lookup would get now
+            record["fork"] = {"k_at_end": list(choose_tree(cost, models.acceptance.survival(), survival, k_max,
                                                            engine.lookup_k_max, ranks, engine.tree_width))}
     if engine.mode == TREE:  # DominoTree: the tree's survival by budget at the end, and the budget it gives
-        survival = engine.tree_model.survival()
+        survival = models.tree_model.survival()
         record["dominotree"] = {"expected_tokens_by_nodes": [1.0 + sum(s) for s in survival],
                                 "nodes_at_end": choose_nodes(cost, survival, [], engine.tree_nodes, 0)[0]}
     if engine.tree_width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
         record["tree"] = {"rank_share_estimate_at_end": ranks,
-                          "k_at_end": list(choose_tree(cost, engine.acceptance.survival(), [], k_max, 0,
+                          "k_at_end": list(choose_tree(cost, models.acceptance.survival(), [], k_max, 0,
                                                        ranks, engine.tree_width))}
     return record
 
@@ -233,7 +233,8 @@ def run_sampled(suite: Suite, engines: dict[str, SpecEngine], sampling: Sampling
 
 def tree_shares(engine: SpecEngine) -> list[float]:
     """-> the engine's estimate of r_2 .. r_W (engine.policy.RankModel) after its last generation."""
-    return engine.ranks.shares(engine.acceptance.survival()[0]) if engine.tree_width > 1 else []
+    models = engine.proposer
+    return models.ranks.shares(models.acceptance.survival()[0]) if engine.tree_width > 1 else []
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,

@@ -1,0 +1,101 @@
+"""One round's proposal: every token the target verifies after x_start, each under a parent row.
+
+The verify rows (engine.accept): row 0 is x_start; rows 1..N hold the proposed tokens. The
+proposers (engine.proposers) build one `Proposal` a round from their parts:
+- the draft's chain: one part, a chain under row 0;
+- the first-token tree: W parts, one chain per first guess;
+- DominoTree: one part of n nodes, a best-first tree (engine.domino_tree);
+- a prompt lookup: one part, a chain under row 0, after the draft's (a fork); or alone.
+A chain alone needs no mask (`shape` None: the runners' causal verify); anything else carries its
+`Tree` (engine.fork: depths and visibility, ancestors only).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from dominospec.engine.fork import Tree, branch_tree
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows first .. first + rows - 1 of a proposal, from one source: "draft" (a chain, one branch of
+    the first-token tree) or "tree" (DominoTree's nodes), or "lookup" (a chain from the prompt)."""
+
+    source: str
+    first: int
+    rows: int
+
+    @property
+    def span(self) -> range:
+        return range(self.first, self.first + self.rows)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """tokens [N] long (rows 1..N); parents [1 + N] long, row 0 its own (device); shape: the verify's
+    Tree, None for one chain; q [N, V] float32 or None: row r's token was drawn from q[r - 1] (a
+    sampled chain; None: point masses); parts: the sources of the rows, in order."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    shape: Optional[Tree]
+    q: Optional[torch.Tensor]
+    parts: tuple[Part, ...]
+
+    @property
+    def rows(self) -> int:
+        """Verify rows: x_start and every proposed token."""
+        return 1 + self.tokens.shape[0]
+
+    def of(self, source: str) -> list[Part]:
+        return [p for p in self.parts if p.source == source]
+
+    def count(self, source: str) -> int:
+        """Proposed tokens from `source`."""
+        return sum(p.rows for p in self.of(source))
+
+
+def chains(pieces: Sequence[tuple[str, torch.Tensor]], x_start: torch.Tensor,
+           q: Optional[torch.Tensor] = None) -> Proposal:
+    """Chains under row 0, in order ((source, tokens [K]) each; empty ones dropped; none: a plain
+    step) -> their Proposal. One chain verifies causally, several as branches (engine.fork's cached
+    shape: no host copy). `q` [K, V]: the draws of a chain alone (sampling verifies one chain)."""
+    pieces = [(source, tokens) for source, tokens in pieces if tokens.numel()]
+    parts, first = [], 1
+    for source, tokens in pieces:
+        parts.append(Part(source, first, tokens.numel()))
+        first += tokens.numel()
+    lengths = tuple(tokens.numel() for _, tokens in pieces)
+    tokens = torch.cat([t for _, t in pieces]) if pieces else x_start[:0]
+    shape = branch_tree(lengths, x_start.device) if len(pieces) > 1 else None
+    return Proposal(tokens, branch_parents(lengths, x_start.device), shape, q if len(pieces) == 1 else None,
+                    tuple(parts))
+
+
+def tree_nodes(tree, n: int, lookup: Optional[torch.Tensor]) -> Proposal:
+    """DominoTree's best n nodes (engine.domino_tree.DraftTree), then a lookup chain [L] under row 0
+    (or None) -> their Proposal (the tree's own bitmask, no host copy)."""
+    L = 0 if lookup is None else lookup.numel()
+    shape, parents = tree.verify_rows(n, L)
+    tokens = torch.cat([tree.tokens[:n]] + ([lookup] if L else []))
+    parts = tuple(p for p in (Part("tree", 1, n), Part("lookup", 1 + n, L)) if p.rows)
+    return Proposal(tokens, parents, shape, None, parts)
+
+
+def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Parent rows [1 + sum(lengths)] of chains under row 0 (row 0 its own). Cached by shape."""
+    return _branch_parents(tuple(lengths), torch.device(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    parents, first = [0], 1
+    for length in lengths:
+        parents += [0] + list(range(first, first + length - 1))
+        first += length
+    return torch.tensor(parents, dtype=torch.long).to(device)

@@ -1,0 +1,256 @@
+"""Who proposes a round's tokens: a plan, a proposal, and what the proposer learns from the verdict.
+
+One `Proposer` per engine, chosen once by the mode (`proposer_for`); the round (engine.round) asks it
+three things and never looks at the mode:
+  plan(state, room, greedy)        -> Plan: K drafts to run (0: no draft forward), the width (W branches
+                                      of the first-token tree, or DominoTree's n nodes), a lookup
+  propose(plan, block, x_start, …) -> Proposal (engine.proposal) from the draft block (z, u) and the lookup
+  learn(plan, verdict, m, stats)   -> the generation's stats, and auto-K's models (engine.policy,
+                                      engine.tree_policy), each of its own part of the verify
+
+- `PlainSteps` (`ar`): nothing to propose, one target step a round.
+- `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
+- `DraftChains` (`dflash`, `domino`): the draft's chain, cut where its confidence falls below
+  `confidence_cut`; greedy with `tree_width` W > 1, the draft's W best first tokens as W chains; with
+  ngram_assist a lookup hit replaces the draft, or, forking (greedy), is verified beside it. Auto-K
+  chooses (W, K, L) together (`choose_tree`), or K alone for a chain.
+- `DraftTree` (`dominotree`): the best-first tree (engine.domino_tree), of which auto-budget verifies
+  the best n nodes (`choose_nodes`), a lookup beside it as in `DraftChains`.
+Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
+generation alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dominospec.engine.policy import AcceptanceModel, RankModel, RoundCost, choose_k, choose_tree
+from dominospec.engine.proposal import Proposal, chains, tree_nodes
+from dominospec.engine.sampling import Sampling
+from dominospec.engine.tree_policy import TreeModel, choose_nodes
+from dominospec.engine.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class Plan:
+    """drafts: K, the block's slots to draft from (0: no draft forward); width: W chains of K (1: one
+    chain), or a tree's n best nodes; lookup: the prompt-lookup tokens to verify ([] none)."""
+
+    drafts: int = 0
+    width: int = 1
+    lookup: list[int] = field(default_factory=list)
+
+
+class Proposer:
+    """The shared part: K_max, lookups, auto-K's models and the measured round cost (`cost`)."""
+
+    def __init__(self, num_draft: int, lookup_k_max: int, window: int, auto: bool, fork: bool = False,
+                 device: Optional[torch.device] = None):
+        self.num_draft, self.lookup_k_max, self.window, self.auto = num_draft, lookup_k_max, window, auto
+        self.fork, self.device = fork, device
+        self.cost: Optional[RoundCost] = None  # auto-K: measured by the engine's `calibrate`
+        self.fresh()
+
+    def fresh(self) -> None:
+        """Auto-K's models, empty: the draft's chains and the lookups (the same model when lookups are the draft)."""
+        self.acceptance = AcceptanceModel(self.num_draft, self.window)
+        self.lookup_acceptance: Optional[AcceptanceModel] = (AcceptanceModel(self.lookup_k_max, self.window)
+                                                              if self.lookup_k_max else None)
+
+    @property
+    def max_rows(self) -> int:
+        """The most tokens one round verifies."""
+        return max(self.num_draft, self.lookup_k_max)
+
+    def lookup(self, state: Any, room: int, greedy: bool) -> tuple[list[int], bool]:
+        """-> (the prompt-lookup tokens this round may verify, [] without a hit or lookups; whether they
+        are verified beside the draft (forking, greedy) rather than instead of it)."""
+        fork = greedy and self.fork
+        if state.index is None:
+            return [], fork
+        k = self.lookup_k_max if fork else self.choose_k(lookup=True)
+        return state.index.propose(min(k, room)), fork
+
+    def choose_k(self, lookup: bool = False) -> int:
+        """K_max, or auto-K's choice for the draft's chain or (`lookup`) for a prompt lookup."""
+        k_max = self.lookup_k_max if lookup else self.num_draft
+        if not self.auto:
+            return k_max
+        model = self.lookup_acceptance if lookup else self.acceptance
+        return choose_k(self.cost, model.survival(), k_max, lookup=lookup)
+
+    def lookup_part(self, plan: Plan) -> list[tuple[str, torch.Tensor]]:
+        return [("lookup", torch.tensor(plan.lookup, dtype=torch.long, device=self.device))] if plan.lookup else []
+
+    def learn_lookup(self, verdict: Verdict) -> int:
+        """The lookup's model learns its part (or ages) -> the tokens the lookup accepted."""
+        parts = verdict.proposal.of("lookup")
+        n = len(verdict.path_in(parts[0] if parts else None))
+        if self.auto and self.lookup_acceptance is not None and self.lookup_acceptance is not self.acceptance:
+            self.lookup_acceptance.update(verdict.proposal.count("lookup"), n)
+        return n
+
+
+class PlainSteps(Proposer):
+    """`ar`: a plain target step a round."""
+
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        return Plan()
+
+    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
+                generator: Optional[torch.Generator]) -> Proposal:
+        return chains([], x_start)
+
+    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
+        stats.record_round(0, m)
+
+
+class LookupSteps(Proposer):
+    """`ngram`: the prompt lookup is the draft (its acceptance is auto-K's one model)."""
+
+    def fresh(self) -> None:
+        super().fresh()
+        self.lookup_acceptance = self.acceptance
+
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        return Plan(lookup=self.lookup(state, room, greedy=False)[0])
+
+    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
+                generator: Optional[torch.Generator]) -> Proposal:
+        return chains(self.lookup_part(plan), x_start)
+
+    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
+        L, n = len(plan.lookup), len(verdict.rows) - 1
+        stats.record_round(L, m, chain=(L, n))
+        if self.auto:
+            self.acceptance.update(L, n)
+
+
+class DraftChains(Proposer):
+    """`dflash` / `domino`: the draft's chain, or W chains of its best first tokens, and a lookup."""
+
+    def __init__(self, head: Any, width: int, confidence_cut: float, **shared: Any):
+        self.head, self.width, self.confidence_cut = head, width, confidence_cut
+        super().__init__(**shared)  # fresh() reads the width
+
+    def fresh(self) -> None:
+        super().fresh()
+        self.ranks = RankModel(self.width, self.window)  # the draft's 2nd..W-th guesses
+
+    @property
+    def max_rows(self) -> int:
+        drafts = self.num_draft * self.width
+        return drafts + self.lookup_k_max if self.fork else max(drafts, self.lookup_k_max)
+
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        lookup, fork = self.lookup(state, room, greedy)
+        if lookup and not fork:
+            return Plan(lookup=lookup)
+        kd, width = min(self.num_draft, room), self.width if greedy else 1
+        if not self.auto:
+            return Plan(kd, width, lookup)
+        if not lookup and width == 1:
+            return Plan(min(self.choose_k(), room), 1, [])
+        chain = self.acceptance.survival()
+        W, K, L = choose_tree(self.cost, chain, self.lookup_acceptance.survival() if lookup else [], kd, len(lookup),
+                              self.ranks.shares(chain[0]) if width > 1 else [], width)
+        return Plan(K, W, lookup[:L])
+
+    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
+                generator: Optional[torch.Generator]) -> Proposal:
+        if block is None:
+            return chains(self.lookup_part(plan), x_start)
+        z, base_logits = block
+        if plan.width > 1:
+            drafts = self.head.branches(z, base_logits, x_start, plan.width)
+            return chains([("draft", d) for d in drafts] + self.lookup_part(plan), x_start)
+        chain = self.head.chain(z, base_logits, x_start, sampling, generator, self.confidence_cut > 0)
+        return chains([("draft", chain.tokens[:self.cut(chain)])] + self.lookup_part(plan), x_start, chain.probs)
+
+    def cut(self, chain: Any) -> int:
+        """A chain of K drafts -> how many to verify: up to where the product of their draft
+        confidences drops below `confidence_cut` (all K when the cut is off)."""
+        if self.confidence_cut <= 0 or chain.confidence is None:
+            return chain.tokens.shape[0]
+        keep = torch.cumprod(chain.confidence.float(), 0) >= self.confidence_cut
+        return int(keep.long().cumprod(0).sum())
+
+    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
+        """By position: the draft's first chain (its best guesses) and its best one; ranks: which of the
+        W first guesses the target took; the lookup's own part."""
+        parts, drafts = verdict.proposal.parts, verdict.proposal.of("draft")
+        W, K, L = len(drafts), drafts[0].rows if drafts else 0, verdict.proposal.count("lookup")
+        per_branch = [len(verdict.path_in(part)) for part in drafts]
+        if len(parts) > 1:  # branches beside each other (engine.fork): the one accepted furthest won
+            won = parts.index(verdict.winner())
+            n_chain, n_draft = per_branch[0], max(per_branch)
+            rank = won + 1 if won < W and n_draft else 0
+            stats.fork_rounds += L > 0
+            stats.fork_lookup_wins += L > 0 and won == W
+            stats.tree_rounds += W > 1
+            stats.tree_side_wins += 0 < won < W
+        else:
+            n_chain = n_draft = len(verdict.rows) - 1
+            rank = 1 if K and n_chain else 0
+            stats.lookup_rounds += L > 0
+        stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
+        self.learn_lookup(verdict)
+        if self.auto:
+            self.acceptance.update(K, n_chain)
+            self.ranks.update(W, rank)
+
+
+class DraftTree(Proposer):
+    """`dominotree`: the best-first tree's best n nodes, and a lookup."""
+
+    def __init__(self, grower: Any, nodes: int, **shared: Any):
+        self.grower, self.nodes = grower, nodes
+        super().__init__(**shared)
+
+    def fresh(self) -> None:
+        super().fresh()
+        self.tree_model = TreeModel(self.nodes, self.num_draft, self.window)
+
+    @property
+    def max_rows(self) -> int:
+        return self.nodes + self.lookup_k_max if self.fork else max(self.nodes, self.lookup_k_max)
+
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        lookup, fork = self.lookup(state, room, greedy)
+        if lookup and not fork:
+            return Plan(lookup=lookup)
+        K = min(self.num_draft, room)
+        if K == 0:
+            return Plan(lookup=lookup)
+        if not self.auto or self.tree_model.unseen:  # a generation's first tree is verified whole: it teaches all
+            return Plan(K, self.nodes, lookup)
+        lookups = self.lookup_acceptance.survival() if lookup else []
+        n, L = choose_nodes(self.cost, self.tree_model.survival_array(), lookups, self.nodes, len(lookup))
+        return Plan(K if n else 0, n, lookup[:L])
+
+    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
+                generator: Optional[torch.Generator]) -> Proposal:
+        lookup = self.lookup_part(plan)
+        if block is None:
+            return chains(lookup, x_start)
+        tree = self.grower.grow(*block, x_start, sampling)
+        return tree_nodes(tree, min(plan.width, tree.size), lookup[0][1] if lookup else None)
+
+    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
+        K, L, n = plan.drafts, len(plan.lookup), verdict.proposal.count("tree")
+        parts = verdict.proposal.of("tree")
+        path = verdict.path_in(parts[0] if parts else None)  # the tree's verify rows on its accepted path (1..n)
+        winner = verdict.winner()
+        stats.record_round(n + L, m, chain=(K, len(path)) if K else None)
+        stats.tree_rounds += n > 1
+        stats.tree_side_wins += bool(path) and path[0] != 1  # the path left the draft's best first token
+        stats.lookup_rounds += L > 0 and not K
+        stats.fork_rounds += L > 0 and K > 0
+        stats.fork_lookup_wins += L > 0 and K > 0 and winner is not None and winner.source == "lookup"
+        self.learn_lookup(verdict)
+        if self.auto:
+            self.tree_model.update(n, [(r - 1, depth) for depth, r in enumerate(path, start=1)])
+            self.acceptance.update(K, len(path))

@@ -1,0 +1,91 @@
+"""One round: plan -> draft block -> proposal -> one verify -> acceptance -> commit -> learn.
+
+The round keeps the engine's invariants (engine.spec): at its start the target KV holds positions
+0..start-1 and x_start, the last committed token, sits at `start`; the draft context plus the target
+features still waiting to be appended to it (`pending`) hold the same rows. Its steps:
+  0. plan (the engine's proposer, engine.proposers): K drafts, the width, a prompt lookup; K = 0
+     drafts nothing (a lookup round, or a plain step);
+  1. the draft forward over [x_start, MASK x (B-1)] at positions start..start+B-1, the pending
+     features appended first -> z [K, H], base logits u [K, V] (the draft path's dtype);
+  2. the proposer's proposal (engine.proposal): a chain, branches, a tree, a lookup beside them;
+  3. one target forward over [x_start, the proposal] with ancestors-only attention (a chain: causal),
+     with the features of the draft's target layers, and one acceptance (engine.accept);
+  4. commit: the accepted path's rows moved into place in the target KV, the rest cropped, their
+     features pending for the draft context; then the proposer learns from the verdict.
+With m tokens committed the target KV is cropped to start + m (x_start and the first m - 1
+accepted), so after every round: target KV length == draft context + pending == prompt + emitted - 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from dominospec.engine.accept import accept
+from dominospec.engine.clock import PhaseClock
+from dominospec.engine.ngram import NgramIndex
+from dominospec.engine.sampling import Sampling
+from dominospec.engine.stops import admit
+from dominospec.engine.verdict import Verdict
+
+
+class RoundState:
+    """Per-generation runners: target KV, draft block (its context), features not yet appended to it, n-gram index."""
+
+    def __init__(self, kv: Any, drafter: Any, clock: PhaseClock, device: torch.device):
+        self.kv, self.drafter, self.device = kv, drafter, device  # engine.runners' pair
+        self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
+        self.index: Optional[NgramIndex] = None
+        self.clock = clock  # the rounds' phase times (engine.clock)
+
+    def take_pending(self) -> Optional[torch.Tensor]:
+        """Pending feature rows -> one tensor [1, S, n*H] (None when there are none), emptied."""
+        if not self.pending:
+            return None
+        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
+        self.pending.clear()
+        return features
+
+    def flush(self) -> None:
+        """Append any pending feature rows to the draft context."""
+        features = self.take_pending()
+        if features is not None:
+            self.drafter.extend(features)
+
+
+def play_round(proposer: Any, state: RoundState, tokens: list[int], start: int, budget: int, sampling: Sampling,
+               generator: Optional[torch.Generator], stats: Any, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
+    """The round (module docstring): `tokens` (committed so far) grows by the m tokens committed ->
+    (m, finish reason or None)."""
+    x_start = torch.tensor([tokens[-1]], device=state.device)
+    with state.clock.round(stats) as timer:
+        plan = proposer.plan(state, budget - len(tokens) - 1, sampling.greedy)
+        timer.begin(device=plan.drafts > 0)  # drafting rounds queue work the host does not wait for: CUDA events
+        with timer.phase("draft"):
+            block = state.drafter.block(state.take_pending(), x_start, start, plan.drafts) if plan.drafts else None
+        with timer.phase("rollout"):
+            proposal = proposer.propose(plan, block, x_start, sampling, generator)
+        with timer.phase("verify"):
+            ids = torch.cat([x_start, proposal.tokens])
+            logits, features = state.kv.forward(ids[None], keep=ids.numel(), tree=proposal.shape)
+            with timer.waiting():
+                accepted = accept(ids, proposal.parents, proposal.q, logits[0], sampling, generator)
+            verdict = Verdict(accepted, features, proposal)
+            m, reason = commit(state, tokens, verdict, start, budget, stop_ids)
+        timer.drafted = plan.drafts > 0 or bool(plan.lookup)
+    proposer.learn(plan, verdict, m, stats)
+    return m, reason
+
+
+def commit(state: RoundState, tokens: list[int], verdict: Verdict, start: int, budget: int,
+           stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
+    """The verdict's tokens (stop tokens and the budget admitted) onto `tokens`; the target KV and the
+    pending features keep exactly their rows (row 0 first) -> (m, finish reason)."""
+    m, reason = admit(tokens, verdict.tokens, budget, stop_ids)
+    tokens += verdict.tokens[:m]
+    state.kv.select(verdict.rows[:m])  # a path off the first chain: its rows into place
+    state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens
+    if verdict.features is not None:
+        state.pending.append(verdict.features[:, verdict.rows[:m]])  # the same m rows, for the draft context
+    return m, reason
