@@ -3,9 +3,9 @@
 transformers' `sdpa` copies the keys and values of every layer to all query heads (`repeat_kv`)
 whenever a forward of more than one row comes with a mask: every verify, tree or chain, on a
 cached context. SmolLM2 has 9 query heads on 3 key/value heads, so each verify copied every
-layer's cached keys and values three times over. On the 2-core EPYC, in a 12-row verify at a
-600-token context, the copies cost two thirds as much as the attention itself (docs/benchmarks.md,
-"Attention without repeated keys").
+layer's cached keys and values three times over. On the 2-core EPYC, in a verify on a long
+context, the copies cost most of what the attention itself did; the numbers are in
+docs/journal/2026-12-02-attention-without-repeated-keys-the-verify-on-the-cpu.md.
 
 `grouped_sdpa` hands torch's SDPA the key/value heads as they are (`enable_gqa=True`), with the
 same mask: the CPU kernel then maps each query head to its key/value head itself. For a forward

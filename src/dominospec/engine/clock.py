@@ -3,11 +3,13 @@
 A round is draft forward -> head rollout -> verify. Timing each phase with a wall clock needs a
 `torch.cuda.synchronize` at every boundary, so the host cannot queue the next phase's launches
 (a graph replay, a kernel) while the GPU runs the current one: on an H200 with SmolLM2 that stall
-cost 0.3-0.6 ms of a 5.6 ms round (benchmarks/studies/round_profile_gpu.py). On CUDA a mark is an event
-recorded on the current stream; the gaps between marks are device time, read once, after the
-generation's last round has synchronised. On CPU a mark is `time.perf_counter()`, and so it is on
-CUDA for rounds that draft nothing (a plain step waits for its one forward anyway, and recording
-events there cost 0.1-0.6 ms a step on the H200's sandboxed host).
+was about a tenth of a round (benchmarks/studies/round_profile_gpu.py; the numbers are in
+docs/journal/2026-12-04-a-round-without-stalls-the-fused-pool-selection-and-the-cpu.md). On CUDA
+a mark is an event recorded on the current stream; the gaps between marks are device time, read
+once, after the generation's last round has synchronised. On CPU a mark is `time.perf_counter()`,
+and so it is on CUDA for rounds that draft nothing (a plain step waits for its one forward
+anyway, and recording events there cost about what the synchronizes did, on the H200's sandboxed
+host; same entry).
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[
 
     `auto` times a one-row forward of the target both ways (fastest of a few, `timer()` returning
     its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins
-    depends on the CPU: packed ran the AR step 1.8-2.0x faster on a 2-core AMD EPYC, and 0.8x as
-    fast as torch's own on a 2-core Intel Xeon with AMX (docs/benchmarks.md).
+    depends on the CPU: packed ran the AR step faster than torch's own on a 2-core AMD EPYC and
+    slower on a 2-core Intel Xeon with AMX (the numbers, under "`engine.linear: auto`", are in
+    docs/journal/2026-12-01-the-cpu-default-end-to-end-make-repro-from-a-fresh-clone.md).
 
     On CPU the target also attends with `grouped_sdpa` (engine.attention): a forward of several
     rows reads the shared keys and values in place instead of copying them per query head."""

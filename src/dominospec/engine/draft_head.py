@@ -51,10 +51,10 @@ def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Opt
     K, V = base_logits.shape
     if pool_size <= 0 or pool_size >= V or first >= K:
         return None
-    best = base_logits[first]  # [V]: the max over rows first..K-1, elementwise (a dim-0 reduction is 20x slower on CPU)
+    best = base_logits[first]  # [V]: the max over rows first..K-1, elementwise (a dim-0 reduction is much slower on CPU)
     for row in base_logits[first + 1:]:
         best = torch.maximum(best, row)
-    return torch.topk(best, pool_size, sorted=False).indices  # [M], in no order: the set is what counts (1.4x faster)
+    return torch.topk(best, pool_size, sorted=False).indices  # [M], in no order: the set is what counts (unsorted is faster)
 
 
 def pooled_head(draft: Any, base_logits: torch.Tensor, cand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +157,7 @@ class _Draws:
         """Scored logits [1, N] -> the drawn position [1]."""
         row = logits[0]
         if self.sampling.greedy:
-            d = row.float().argmax()  # the same index (exact cast), 2x faster than a bf16 argmax on CPU
+            d = row.float().argmax()  # the same index (exact cast), faster than a bf16 argmax on CPU
             self.beliefs.append(torch.softmax(row.float(), -1)[d])
             return d.reshape(1)
         q = self.sampling.probs(row[None])[0]  # [N] float32
@@ -171,7 +171,7 @@ def _draw_rows(logits: torch.Tensor, sampling: Sampling, generator: Optional[tor
                want: bool) -> DraftChain:
     """Logits [K, V] -> one independent draw per row."""
     if sampling.greedy:
-        tokens = logits.float().argmax(-1)  # [K]; the same index (exact cast), 2x faster than a bf16 argmax on CPU
+        tokens = logits.float().argmax(-1)  # [K]; the same index (exact cast), faster than a bf16 argmax on CPU
         confidence = torch.softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0] if want else None
         return DraftChain(tokens, None, confidence)
     q = sampling.probs(logits)  # [K, V] float32

@@ -2,8 +2,8 @@
 
 transformers' decoder layer runs about forty small kernels (RMSNorm alone is six, the rotary
 embedding ten), and at SmolLM2's size every one of them costs its launch, not its arithmetic: on
-an H200 a one-row step of 30 layers took 3.3 ms of device time, almost all of it gaps between
-kernels. `LeanDecoder` computes the same function with fused operations:
+an H200 a one-row step's device time was almost all gaps between kernels (docs/kernels.md, the
+lean decoder). `LeanDecoder` computes the same function with fused operations:
 
     per layer:  rms_norm(+ residual)  ->  x · W_qkvᵀ  ->  rope_cache (q/k norm, rotation, K/V written)
                 ->  tree_attention  ->  · W_oᵀ  ->  rms_norm(+ residual)  ->  x · W_gate_upᵀ

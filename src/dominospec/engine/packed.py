@@ -1,11 +1,12 @@
 """Linear layers with weights pre-packed once for oneDNN (CPU): the engine's `linear: packed` switch.
 
 Why. On the 2-core EPYC, `F.linear` in fp32 goes through MKL, which re-packs the weight panel on
-every call once the input has more than one row: an 8-row verify forward costs 1.5 AR steps
-although both stream the same weights (benchmarks/round_cost.py; docs/benchmarks.md). oneDNN with
-a weight packed once (`mkldnn._reorder_linear_weight`) runs 1..8 rows at about the cost of one,
-in fp32 and in bf16 (AVX-512 BF16). The arithmetic stays that of the dtype (fp32 stays IEEE fp32:
-only the summation order differs, as it already does between MKL's GEMV and GEMM paths).
+every call once the input has more than one row: an 8-row verify forward costs well over one AR
+step although both stream the same weights (benchmarks/round_cost.py; the numbers are in
+docs/journal/2026-11-30-speculative-decoding-cost-on-cpu.md). oneDNN with a weight packed once
+(`mkldnn._reorder_linear_weight`) runs 1..8 rows at about the cost of one, in fp32 and in bf16
+(AVX-512 BF16). The arithmetic stays that of the dtype (fp32 stays IEEE fp32: only the
+summation order differs, as it already does between MKL's GEMV and GEMM paths).
 
 `pack_linears(module)` swaps every `nn.Linear` of a module for a `PackedLinear` holding the
 packed weight (the original `weight` stays reachable, e.g. for a tied embedding). It is applied
