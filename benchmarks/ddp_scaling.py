@@ -34,8 +34,8 @@ there, in the checkout (the package itself installed without dependencies, next 
         --gguf-dir .carry/gguf --devices 2 --steps 400 --work /tmp/ddp --set prepare.num_proc=8
 
 (Not yet run on GPUs.) With --steps 400 the one-GPU run takes 800 steps, the preset's batch of 32
-at 0.21 s a step in its own record (docs/benchmarks.md), on longer sequences here; where a command
-has a time limit, lower --steps.
+at 0.21 s a step in its own record (docs/journal/2026-12-03-the-h200-preset-with-code-prompts-4-000-steps.md),
+on longer sequences here; where a command has a time limit, lower --steps.
 
 Data. Prepare runs once, in WORK/shared, on the packed conversations; regenerate is off by default:
 the preset trains with `train.labels: target`, so every position of the original conversations is

@@ -10,7 +10,7 @@ all see the same machine load:
 
     reference  full vocabulary, F.cross_entropy(logits.float()) (the objective before chunked_ce)
     full       full vocabulary, chunked_cross_entropy (train/chunked_ce.py): the same losses
-    data       `train.loss_vocab: data`, chunked (a different objective: see docs/benchmarks.md)
+    data       `train.loss_vocab: data`, chunked (a different objective: see docs/journal/2026-12-01-a-cheaper-cpu-training-step.md)
     sampled    `train.loss_vocab: sampled`: the step's labels + train.loss_negatives uniform negatives
 
 A variant may carry `/bN` (N sequences a step instead of train.batch_size), `/aN` (N anchors a

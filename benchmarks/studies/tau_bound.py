@@ -1,6 +1,6 @@
 """What bounds τ: the draft's first drafted token against how sure the target itself is there.
 
-τ is lost at the first drafted token (docs/benchmarks.md, the draft-quality study). This script asks
+τ is lost at the first drafted token (docs/journal/2026-12-01-draft-quality-study-engine-by-recipe.md). This script asks
 whether that is the draft's fault or the target's: over every anchor a of the target's own replies
 (the regenerated val split), it puts side by side
     p1      the target's own top-1 probability for x[a+1] (its logits at position a: the token the

@@ -22,7 +22,8 @@ together and grow together, and the stage hands them out in order of prompt leng
 neighbouring slots have similar lengths: a group's C_g stays close to its own longest slot
 instead of the batch's. On the default chunk this reads 0.4 of the columns of one shared buffer.
 GROUP_SLOTS and the stage's batch size were chosen together on the 2-core CPU: 256 slots in
-groups of 32 regenerate 1.18x the tokens/s of 64 in groups of 16 (docs/benchmarks.md).
+groups of 32 regenerate more tokens/s than 64 in groups of 16 (the numbers are in
+docs/journal/2026-12-02-the-regenerate-stage-at-256-slots-in-kv-groups-of-32.md).
 
 The buffers are made like the K/V the model passes in (its device and dtype); the masks, positions
 and write indices are built on `device`, the model's, so a forward copies nothing from the host. On

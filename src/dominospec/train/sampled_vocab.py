@@ -1,8 +1,8 @@
 """Sampled softmax for the training loss (`train.loss_vocab: sampled`).
 
-On a CPU the 49,152-way softmax of the LM head is most of a training step (docs/benchmarks.md,
-"A cheaper CPU training step"). A fixed loss vocabulary (`loss_vocab: data`) makes the step cheap
-but never pushes the other tokens' logits down, so the draft's argmax over the full vocabulary
+On a CPU the 49,152-way softmax of the LM head is most of a training step
+(docs/journal/2026-12-01-a-cheaper-cpu-training-step.md). A fixed loss vocabulary
+(`loss_vocab: data`) makes the step cheap but never pushes the other tokens' logits down, so the draft's argmax over the full vocabulary
 drifts onto them. Here each step's softmax spans a fresh vocabulary instead:
 
     positives P   every label the step supervises (exact terms of the partition sum)
