@@ -25,6 +25,11 @@ meaningless (about 1), so nothing here reports one; the speed-ups are a projecti
               tree's build): device ms by phase and wall ms a round (GenerationStats)
   train       the train stage's loop (bench.train_steps) at the preset's batch, doubled until it no longer fits
   generate    transformers' compiled static-cache `generate`: ms a step, from two lengths
+`profile`: where one step's device time goes, on the lean decoder at --context cached rows: the
+kernels of an AR step and of a verify of --rows rows, eager under torch.profiler (the kernels a graph
+replays, timed one by one), grouped as the projections' GEMMs (with the bandwidth they reach on the
+weights they read), attention, norms and rotary, the MLP's activation, and the rest; the graph's own
+wall time per step beside it, and the copy bandwidth of the floor.
 `summary`: the engine JSON and gpu_recipe's records (stage times, peak memory, throughput) -> one JSON,
 the done-when checks, and the tables last. The projection: speed-up = τ · t_AR ÷ t_round.
 """
@@ -219,6 +224,91 @@ def engine(args: argparse.Namespace) -> None:
         write_json(args.out, out)
 
 
+KERNEL_GROUPS = (("attention", ("tree_attention",)), ("norm + rotary", ("rms_norm", "rope_cache")),
+                 ("activation", ("silu_mul",)), ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "mm_")))
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    return next((group for group, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
+
+
+def profile(args: argparse.Namespace) -> None:
+    """The `profile` part (module docstring) -> --out."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from dominospec.engine.lean_decoder import lean_decoder
+    from dominospec.engine.lean_kv import LeanTargetKV
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    model = random_model(shape_config(args.shape, **(SMOKE if args.smoke else {})), dtype, device)
+    rows, reps = [1, int(args.rows)], 3 if args.smoke else args.reps
+    out: dict[str, Any] = dict(**environment(cuda), smoke=args.smoke, context=args.context, steps={})
+    linear = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear))  # every projection and the LM head: what the GEMMs read
+    out["gemm_weight_bytes"] = linear
+    out["copy_gb_per_s"] = round(copy_bandwidth(cuda, gib=4.0 if cuda else 0.25), 1)
+    decoder = lean_decoder(model, triton=cuda)
+    V = model.config.vocab_size
+    with torch.inference_mode():
+        for T in rows:
+            for graphs in (False, True):
+                runner = LeanTargetKV(decoder, [], args.context + T + 8, T, graphs=graphs and cuda)
+                prefix = torch.randint(V, (1, args.context), device=device)
+                ids = torch.randint(V, (1, T), device=device)
+                runner.forward(prefix, keep=1)
+
+                def step() -> None:
+                    runner.forward(ids, keep=T)
+                    runner.crop(args.context)
+
+                for _ in range(3):
+                    step()
+                sync(cuda)
+                if graphs:
+                    tick = time.perf_counter()
+                    for _ in range(reps):
+                        step()
+                    sync(cuda)
+                    out["steps"].setdefault(T, {})["graph_wall_ms"] = 1e3 * (time.perf_counter() - tick) / reps
+                    continue
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with torch_profile(activities=activities) as prof:
+                    for _ in range(reps):
+                        step()
+                    sync(cuda)
+                out["steps"].setdefault(T, {})["kernels"] = kernel_table(prof, reps, cuda)
+                del runner
+    for T, step_out in out["steps"].items():
+        groups = step_out["kernels"]["groups_ms"]
+        gemm = groups.get("gemm", 0.0)
+        step_out["gemm_gb_per_s"] = linear / (gemm * 1e6) if gemm else None
+        log(f"profile T={T}: graph {step_out.get('graph_wall_ms', float('nan')):.3f} ms a step; device "
+            + ", ".join(f"{g} {ms:.3f}" for g, ms in groups.items())
+            + (f"; GEMMs at {step_out['gemm_gb_per_s']:.0f} GB/s of {out['copy_gb_per_s']:.0f}" if gemm else ""))
+    write_json(args.out, out)
+
+
+def kernel_table(prof: Any, reps: int, cuda: bool) -> dict:
+    """A profile of `reps` steps -> device ms a step by kernel group, the top kernels, launches a step."""
+    kernels = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(evt, "self_cuda_time_total", 0.0)
+        if cuda and device_us > 0 and evt.device_type is not None and "CUDA" in str(evt.device_type):
+            kernels.append((evt.key, device_us / 1e3 / reps, evt.count / reps))
+    groups: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + ms
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return dict(groups_ms={g: round(ms, 4) for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
+                device_ms=round(sum(ms for _, ms, _ in kernels), 4), launches=round(sum(c for *_, c in kernels), 1),
+                top=[dict(kernel=name[:90], ms=round(ms, 4), count=round(c, 1)) for name, ms, c in top])
+
+
 def stages(work: Path) -> dict:
     """gpu_recipe's records under `work` -> per stage: seconds, peak GPU GiB, throughput; what evaluate did."""
     import yaml
@@ -347,12 +437,19 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=4, help="per batch (the first untimed)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--skip", default="", help="comma-separated parts to leave out (checkpoint: made, not saved)")
+    r = sub.add_parser("profile")
+    r.add_argument("--shape", default="qwen3-8b", help="bench.TARGET_SHAPES")
+    r.add_argument("--context", type=int, default=1024)
+    r.add_argument("--rows", default="64", help="the verify's rows beside the AR step")
+    r.add_argument("--reps", type=int, default=10)
+    r.add_argument("--smoke", action="store_true")
+    r.add_argument("--out", required=True)
     q = sub.add_parser("summary")
     q.add_argument("--engine", required=True)
     q.add_argument("--work", help="gpu_recipe.py run's --work")
     q.add_argument("--out", required=True)
     args = ap.parse_args()
-    {"engine": engine, "summary": summary}[args.cmd](args)
+    {"engine": engine, "profile": profile, "summary": summary}[args.cmd](args)
 
 
 if __name__ == "__main__":
