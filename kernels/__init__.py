@@ -1,12 +1,31 @@
-"""Triton kernels of the Domino head: each op is a pure-torch reference, a kernel and a launcher in one module.
+"""Triton kernels, installed as `dominospec.kernels`: each module holds an op's pure-torch reference,
+its kernel and its launcher, in that order (docs/kernels.md).
 
+The Domino head's rollout (the engine's `engine.head_kernel`):
 - gru_cell: fused bias-free GRU cell; token id on device, input gates from a [V, 3G] table or a GEMV.
 - correction_argmax: SiLU(h) · W2ᵀ + base logits, split-vocabulary argmax (+ logsumexp); candidate pool.
-- head_rollout: the whole greedy K-step rollout on device (CUDA-graph capturable).
-- pool_select: the candidate pool (top-M of the max over rows) as a radix select in four launches, ids ascending.
+- head_rollout: the whole greedy K-step rollout of one block on device (CUDA-graph capturable).
+- head_branches: the same for a draft tree's W branches of one block.
+- pool_select: the candidate pool (top-M of the max over rows) as a radix select, ids ascending.
+
+The lean decoder's layer (the engine's `engine.lean_target`, nine launches a layer):
+- rms_norm: RMSNorm with the residual add before it.
+- rope_cache: rotary embedding (+ Qwen3's q/k norm) and the KV-cache write of one layer.
+- tree_attention: a draft tree's rows (or one row) over the KV cache, ancestors-only bitmask.
+- silu_mul: SiLU(gate) · up of a fused gate/up projection.
+
+Training:
+- cross_entropy: fused per-row cross-entropy over a wide vocabulary (`train.ce_kernel`).
 
 Imports torch and triton only (tests/test_layout.py). On a machine without CUDA, set
 TRITON_INTERPRET=1 before triton is imported.
+
+The block below stays because of where this folder sits. `python -m pytest` and `python -c` run in
+the checkout put its root on the import path, so a plain `import kernels` finds this folder before
+the PyPI package `kernels`, which transformers imports with its modeling code once installed. Only
+moving the folder out of the repository root (under src/dominospec/) would remove that; until then
+a top-level import of this folder hands the name `kernels` over to the PyPI package
+(tests/test_layout.py checks it).
 """
 
 if __name__ == "kernels":
