@@ -245,8 +245,8 @@ def test_test_modules_have_unique_basenames():
     assert sorted({n for n in names if names.count(n) > 1}) == []
 
 
-def test_the_repository_root_on_sys_path_does_not_hide_pypi_kernels():
-    """`python -m pytest` (or `-c`) in the checkout puts its root on sys.path, where kernels/ would hide
+def test_the_repository_root_on_the_import_path_does_not_hide_pypi_kernels():
+    """`python -m pytest` (or `-c`) in the checkout puts its root on the import path, where kernels/ would hide
     the PyPI package `kernels` that transformers >= 5.25 imports with its modeling code."""
     import importlib.metadata
     import subprocess

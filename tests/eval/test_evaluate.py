@@ -8,7 +8,6 @@ Run: python -m pytest tests/eval -q
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ from dominospec.eval.stage import evaluate
 from dominospec.files import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import tiny_draft, tiny_tokenizer  # noqa: E402
 
 VOCAB = 64

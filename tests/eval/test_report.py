@@ -3,16 +3,12 @@ top-2 margin, acceptance by position. Hand-built generations with known counts.
 Run: python -m pytest tests/eval/test_report.py -q
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dominospec.engine import Generation, GenerationStats, SpecEngine
 from dominospec.eval.report import acceptance_by_position, first_divergence, speedup_standard_error, suite_report
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import engine_params, tiny_target  # noqa: E402
 
 

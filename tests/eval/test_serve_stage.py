@@ -29,7 +29,6 @@ from dominospec.eval import served
 from dominospec.eval.serve_stage import Server, check_params, group_members, serve_eval
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "serve"))
 from serve_helpers import tiny_project  # noqa: E402
 
 PROMPTS = ["t5 t6 t7", "t20 t21", "t30 t31 t32"]

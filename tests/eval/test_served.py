@@ -23,8 +23,6 @@ from dominospec.cli import main
 from dominospec.eval.served import percentile, pooled_acceptance
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "export"))
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import CHAT_TEMPLATE  # noqa: E402
 from export_helpers import make_project, save_tiny_target, target_params  # noqa: E402
 

@@ -7,14 +7,12 @@ so a transposed or swapped tensor shows up as a wrong shape.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "cache"))
 from cache_helpers import save_tiny_target, target_params  # noqa: E402
 
 BLOCK, LAYER_IDS, MASK = 4, [1, 3], 299

@@ -4,14 +4,12 @@ and in the engine (identical greedy generations and per-round acceptance).
 Run: python -m pytest tests/export/test_roundtrip.py -q
 """
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from export_helpers import make_project
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import engine_params  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402

@@ -8,8 +8,6 @@ Run: python -m pytest tests/fuzz/test_fuzz_requests.py -q
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from hypothesis import strategies as st
 from dominospec.serve.errors import ApiError
 from dominospec.serve.requests import ChatRequest, CompletionRequest, is_unicode, parse_request
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
 from serve_helpers import KEY_ENV, authorised_client, running_server  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -9,14 +9,12 @@ Run: python -m pytest tests/kernels/test_head_kernel_engine.py -q
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from kernel_helpers import DEVICE  # noqa: F401  (skips the module when triton is absent)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402

@@ -6,13 +6,10 @@ Run: python -m pytest tests/kernels/test_lean_on_kernels.py -q
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import tiny_target  # noqa: E402
 
 from dominospec.engine.fork import branch_tree  # noqa: E402

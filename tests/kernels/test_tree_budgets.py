@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from engine.engine_helpers import tiny_draft, tiny_target
+from engine_helpers import tiny_draft, tiny_target
 
 from dominospec.engine.domino_tree import grow_tree
 from dominospec.engine.fork import words_for

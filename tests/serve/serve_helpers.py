@@ -24,8 +24,6 @@ import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "export"))
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import CHAT_TEMPLATE  # noqa: E402
 from export_helpers import BLOCK, save_checkpoint, save_tiny_target, target_params, write_export_params  # noqa: E402
 

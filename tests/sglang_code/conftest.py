@@ -48,7 +48,8 @@ def sglang_views(exports, tmp_path_factory) -> dict[str, dict]:
              for name, d in exports.items()}
     request = out / "request.json"
     request.write_text(json.dumps({"site": str(site), "out": str(out), "port": port, "cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)  # SGLang's code first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, str(HERE / "sglang_view.py"), str(request)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"sglang_view.py failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"

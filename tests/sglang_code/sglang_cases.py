@@ -1,8 +1,8 @@
 """The exports the SGLang-code tests load: tiny ones made by our exporter, copies broken on purpose
 (with SGLang's verdict on each), the real `artifacts/draft`; where SGLang's code is installed.
 
-The folder is not called tests/sglang: pytest puts tests/ on sys.path, where a folder named sglang
-would be found as the `sglang` namespace package (`find_spec("sglang")` in serve/sglang.py)."""
+The folder is not called tests/sglang: pytest puts tests/ on the import path, where a folder named
+sglang would be found as the `sglang` namespace package (`find_spec("sglang")` in serve/sglang.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO / "tests" / "export"))
 from export_helpers import edit_config, edit_tensors, save_checkpoint  # noqa: E402
 
 TINY_TARGET = {"name": "tiny-target", "sha256": "0" * 64}

@@ -1,8 +1,9 @@
 """SGLang's view of our export directories, computed by SGLang's own code: run in a subprocess.
 
-    python tests/sglang_code/sglang_view.py REQUEST.json
+    PYTHONPATH=SITE python tests/sglang_code/sglang_view.py REQUEST.json
 
-REQUEST.json: {"site": dir holding the `sglang` package (installed --no-deps, see the Makefile),
+SITE is the dir holding the `sglang` package (installed --no-deps, see the Makefile); the caller
+puts it first on PYTHONPATH. REQUEST.json: {"site": SITE,
 "out": dir, "cases": {name: {"dir": export dir, "rollout": null | {"seed", "blocks"}}}}.
 For each case it writes `out/<name>.pt`, a dict:
 
@@ -151,7 +152,6 @@ def view(directory: str, rollout: dict | None) -> dict:
 
 def main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
-    sys.path.insert(0, request["site"])
     import sglang_stubs
 
     sglang_stubs.install()

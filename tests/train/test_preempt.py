@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "train"))
 from test_train_stage import curve, run_params, tiny_cache  # noqa: E402,F401  (tiny_cache: a fixture)
 
 from dominospec.config import load_params  # noqa: E402

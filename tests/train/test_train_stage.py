@@ -17,7 +17,6 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "cache"))
 from cache_helpers import save_regenerated, save_tiny_target, target_params, write_params  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402

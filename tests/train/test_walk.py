@@ -7,12 +7,8 @@ on and off, for a draft fitted well enough to be accepted often (τ about 3).
 Run: python -m pytest tests/train/test_walk.py -q
 """
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target  # noqa: E402
 
 from dominospec.cache.features import target_hidden  # noqa: E402
