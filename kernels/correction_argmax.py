@@ -143,8 +143,9 @@ def check_scoring_inputs(h: torch.Tensor, w2: torch.Tensor, base: torch.Tensor, 
 
 def scoring_blocks(n_cols: int, r: int) -> tuple[int, int]:
     """(BLOCK_V, BLOCK_R) for C scored columns of rank r, from an H200 sweep (bf16, r = 256, inside a
-    CUDA graph): full vocabulary [128, 128] tiles, 30 µs (2.6 TB/s of W2); a 2048-id pool needs
-    more programs than its 16 tiles of 128, so [16, 256] (whole 512 B rows), 5 µs."""
+    CUDA graph): full vocabulary [128, 128] tiles, near the bandwidth of W2; a 2048-id pool needs
+    more programs than its 16 tiles of 128, so [16, 256] (whole 512 B rows). The times are in
+    docs/kernels.md and the journal."""
     if n_cols <= 16384:
         return 16, min(256, triton.next_power_of_2(r))
     return 128, min(128, triton.next_power_of_2(r))

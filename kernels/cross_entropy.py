@@ -8,7 +8,7 @@ torch chunks (~10 launches and fp32 [chunk, V] temporaries each) this replaces b
 1. forward, grid (N,): each program streams its row in BLOCK_V chunks with an online logsumexp
    (the row's running max, a scalar from each chunk's max; Σ exp(x - max), BLOCK_V lanes summed
    at the end) and writes lse[n] (kept for backward) and loss[n]. A per-lane max would cost a
-   second exp per element: exp-bound on an H200, 1.29 vs 0.86 ms at 32k x 49,152 bf16;
+   second exp per element, which makes the forward exp-bound on an H200 (journal);
 2. backward, grid (N,): reads the row again and writes grad[n, v] = (exp(x - lse) - [v == y]) · g[n]
    straight in the logits' dtype (rounded once, as autograd casts the fp32 gradient back).
    Rows with g[n] == 0 (unsupervised slots) skip the row's reads and exps and write zeros.
@@ -86,10 +86,10 @@ def _ce_backward_kernel(x_ptr, labels_ptr, lse_ptr, g_ptr, grad_ptr, V, stride_x
 
 # ---- launchers --------------------------------------------------------------------------------
 
-# Chunk width and warps on a GPU: 4096 columns (12 chunks of a 49,152 row), 4 warps. H200, bf16
-# 32k x 49,152: forward 0.86 ms (3.8 TB/s), backward 1.45 ms; 2048-8192 columns and 4-8 warps
-# were within 15%, 16 warps slower. The interpreter (CPU tests) takes 1024, so small test shapes
-# still span several chunks, a ragged last one, and rows narrower than one chunk.
+# Chunk width and warps on a GPU: 4096 columns (12 chunks of a 49,152 row), 4 warps, the fastest
+# of an H200 sweep at 32k x 49,152 bf16, where neighbouring widths and 4-8 warps came close and 16
+# warps were slower (docs/kernels.md, the journal). The interpreter (CPU tests) takes 1024, so small
+# test shapes still span several chunks, a ragged last one, and rows narrower than one chunk.
 BLOCK_V, NUM_WARPS = 4096, 4
 INTERPRET_BLOCK_V = 1024
 

@@ -24,7 +24,7 @@ dtype for P·V, as HF's eager and SDPA attention do. Under TRITON_INTERPRET=1 th
 widened to fp32 first (same values: the interpreter's tl.dot multiplies bf16's raw bits otherwise).
 
 Splits (flash-decoding inside the one launch): with Hkv·tiles programs alone a decode step runs
-on 8 SMs (Qwen3-8B) and streams K/V at ~0.3 TB/s. So the column range 0 .. start+T-1 is cut into
+on 8 SMs (Qwen3-8B) and streams K/V at a small share of the bandwidth (journal). So the column range 0 .. start+T-1 is cut into
 SPLITS runs of whole blocks, each at least MIN_SPAN blocks (the runs' length and number are
 computed in the kernel from `start`: the grid stays fixed, a short context uses fewer runs and
 one run writes out directly); each program leaves its unnormalised partial in a workspace and

@@ -123,7 +123,7 @@ def cache(params: Params) -> None:
             f"{params.paths.regenerated} was tokenized for target {source.meta.get('target', {}).get('name')!r}, "
             f"but target.model loads {target.identity.name!r}: re-run prepare/regenerate for this target"
         )
-    if cp.compute_dtype is not None:  # features need not be bit-exact: bf16 runs 3.5x fp32 on an AVX-512 BF16 CPU
+    if cp.compute_dtype is not None:  # features need not be bit-exact: bf16 runs several times faster than fp32 on an AVX-512 BF16 CPU (journal)
         target.model.to(fmt.DTYPES[cp.compute_dtype])
     loaded = time.perf_counter()
     layer_ids = resolve_layer_ids(cp, target.num_layers)

@@ -1,9 +1,10 @@
 """Code prompts for the target to answer: Python functions, each asked to be completed.
 
-ShareGPT is mostly prose (about 5 % of its first turns hold code), so a draft that learns the
-target's ShareGPT replies meets code out of its distribution: on HumanEval the H200 preset's
-draft accepted 2.09 tokens a round against 2.76 on ShareGPT. Self-distillation needs prompts,
-not answers, and every Python installation carries thousands of documented functions. So
+ShareGPT is mostly prose (few of its first turns hold code), so a draft that learns the target's
+ShareGPT replies meets code out of its distribution: on HumanEval the H200 preset's draft accepted
+clearly fewer tokens a round than on ShareGPT (both numbers are in
+docs/journal/2026-12-02-the-h200-preset-again-with-draft-trees-in-the-engine.md). Self-distillation
+needs prompts, not answers, and every Python installation carries thousands of documented functions. So
 `code_prompts(root, limit)` turns each one into a request in the form the `humaneval` suite
 asks: its signature and docstring, to be completed. The target writes the answer (the regenerate
 stage), so the draft learns the target's own code.

@@ -14,10 +14,11 @@ from `generator`), ends the replies that hit a stop token, their budget, or a re
 (`loops.py`), and feeds the others' tokens in one forward of all slots. Slots of ended keys
 are dropped once they are an eighth of the batch, so they soon stop costing compute.
 
-Why packed. A batch-1 prefill of a ~100-token first turn runs the linear layers at ~400 GFLOP/s
-on the 2-core Xeon, 1,024 packed rows at ~700, and the fixed cost of a forward is paid once per
-pack instead of once per conversation; a right-aligned padded batch would instead spend most of its
-time on padding (ShareGPT prompt lengths vary 10×).
+Why packed. A batch-1 prefill of a short first turn runs the linear layers well below what 1,024
+packed rows reach on the 2-core Xeon, and the fixed cost of a forward is paid once per pack instead
+of once per conversation; a right-aligned padded batch would instead spend most of its time on
+padding (ShareGPT prompt lengths vary by an order of magnitude). The numbers are in
+docs/journal/2026-12-01-a-faster-regenerate-stage-packed-first-turns-attention-per.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ token for token (None when sampled), and two τ of the draft's mode (Domino for 
   - `walk[<mode>]`: the draft's τ at fixed K = B - 1 on the AR answers (eval.walk). It depends on
     the weights alone, so the gate uses it when present: metric "walk@K<k>";
   - `acceptance_length`: the engine's pooled τ, which under `num_draft: auto` moves with machine
-    load through auto-K's choices (the same weights measured 1.00, then 1.88): metric "engine",
+    load through auto-K's choices (the same weights have measured far apart): metric "engine",
     the fallback for reports without the walk.
 
 Rules, first match wins:

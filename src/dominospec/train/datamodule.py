@@ -77,8 +77,8 @@ class StepBatchSampler(torch.utils.data.Sampler):
     each epoch's permutation is cut into groups of GROUP_BATCHES batches, a group is sorted by
     length and cut into batches, and the epoch's batches are shuffled (the items of an epoch that
     do not fill a batch wait for no one: the next epoch is a new permutation). A batch is padded to
-    its longest item, so on random batches of 32 ShareGPT turns about 60 % of the target's and the
-    draft's context rows are padding; grouped, about 4 %."""
+    its longest item, so on random batches of ShareGPT turns most of the target's and the draft's
+    context rows are padding, and grouped batches pad little (the shares are in docs/journal/)."""
 
     def __init__(self, num_items: int, batch_size: int, seed: int, start_step: int, total_steps: int,
                  rank: int = 0, world_size: int = 1, lengths: Optional[list[int]] = None):
