@@ -1,7 +1,7 @@
 """τ of the draft at a fixed K on the target's own answers: the engine walk (train.walk), in evaluate.
 
 The engine's τ under `num_draft: auto` depends on the K that auto-K chose, and so on the machine's
-load: the same weights can read τ 1.0 or 1.9. Walking the AR answer anchor by anchor at K = B - 1
+load: the same weights can read τ far apart (journal). Walking the AR answer anchor by anchor at K = B - 1
 instead gives the τ that greedy drafting at that K would reach. It equals the engine's τ at that K
 up to feature numerics (tests/train/test_walk.py), does not depend on timing, and is the draft's
 quality measure of the draft-quality study.
