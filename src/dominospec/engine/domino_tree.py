@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import functools
 
-from dominospec.engine.fork import Tree, words_for
+from dominospec.engine.fork import Tree, pack_bits, words_for
 from dominospec.engine.draft_head import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
 
@@ -103,23 +103,17 @@ def lookup_chain(n: int, lookup: int, device: torch.device) -> LookupChain:
     """Cached by shape (a round's verify then copies nothing from the host). Read-only."""
     rows = torch.arange(1, lookup + 1)  # lookup token k: row n + k, depth k
     parents = torch.where(rows > 1, rows + n - 1, 0)
-    T = 1 + n + lookup
-    visible = torch.zeros(lookup, words_for(T) * 64, dtype=torch.long)
-    visible[:, 0] = 1
-    for k in range(1, lookup + 1):
-        visible[k - 1, n + 1:n + 1 + k] = 1
-    bits = (visible.view(lookup, -1, 64) << torch.arange(64)).sum(-1)
-    return LookupChain(rows.to(device), parents.to(device), bits.to(device))
+    visible = torch.zeros(lookup, 1 + n + lookup, dtype=torch.bool)  # row 0, then the chain up to itself
+    visible[:, 0] = True
+    visible[:, n + 1:] = torch.ones(lookup, lookup, dtype=torch.bool).tril()
+    return LookupChain(rows.to(device), parents.to(device), pack_bits(visible).to(device))
 
 
 def ancestor_bits(parents: torch.Tensor, steps: int) -> torch.Tensor:
     """Parent row of each row [T] (row 0 its own, a parent before its child) -> [T, words_for(T)]
     int64 bitmasks: row i sees row j iff j is i or an ancestor of i. `steps` >= the deepest row's
     depth. Fixed shapes, device ops only (the grower's graph runs it)."""
-    T = parents.shape[0]
-    rows = torch.arange(T, device=parents.device)
-    own = torch.zeros(T, words_for(T), dtype=torch.long, device=parents.device)
-    own.scatter_(1, (rows // 64)[:, None], (torch.ones_like(rows) << (rows % 64))[:, None])
+    own = pack_bits(torch.eye(parents.shape[0], dtype=torch.bool, device=parents.device))
     bits = own
     for _ in range(steps):  # after d passes every row of depth <= d holds its whole path
         bits = own | bits[parents]

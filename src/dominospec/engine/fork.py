@@ -81,12 +81,17 @@ def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
     `bits_from_visible`, which the engine does not import: the kernels bring triton in); None when
     T > MAX_TREE_ROWS. Tensor ops only."""
     T = visible.shape[-1]
-    if T > MAX_TREE_ROWS:
-        return None
+    return None if T > MAX_TREE_ROWS else pack_bits(visible)
+
+
+def pack_bits(visible: torch.Tensor) -> torch.Tensor:
+    """visible [R, T] bool (row r sees column j) -> [R, words_for(T)] int64, bit j % 64 of word j // 64
+    set iff visible[r, j]. Tensor ops only (a graph can run it)."""
+    R, T = visible.shape
     W = words_for(T)
-    padded = torch.nn.functional.pad(visible.long(), (0, W * 64 - T))  # [T, W * 64]
+    padded = torch.nn.functional.pad(visible.long(), (0, W * 64 - T))  # [R, W * 64]
     shifts = torch.arange(64, device=visible.device, dtype=torch.long)
-    return (padded.view(T, W, 64) << shifts).sum(-1)
+    return (padded.view(R, W, 64) << shifts).sum(-1)  # disjoint bits: the sum is their OR
 
 
 def chain_tree(T: int, device: torch.device) -> Tree:

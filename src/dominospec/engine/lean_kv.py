@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree, words_for
+from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree, pack_bits
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.engine.lean_decoder import LeanDecoder
 
@@ -140,7 +140,4 @@ class LeanTargetKV(FixedRows):
 
 def _alone_bits(rows: int, device: torch.device) -> torch.Tensor:
     """[rows, words_for(rows)] int64: row i sees row i only."""
-    bits = torch.zeros(rows, words_for(rows), dtype=torch.long)
-    i = torch.arange(rows)
-    bits[i, i // 64] = torch.ones(rows, dtype=torch.long) << (i % 64)
-    return bits.to(device)
+    return pack_bits(torch.eye(rows, dtype=torch.bool, device=device))
