@@ -150,3 +150,23 @@ def test_static_engine_runs_the_tree_through_its_graph_buffers(setup, pool_size)
     keys = set(static.head.graphs.graphs.functions)
     assert any(key[0] == "tree" and key[2] == 3 for key in keys), keys
     assert static.graph_failures() == {}
+
+
+@cpu_engine
+@pytest.mark.parametrize("pool_size", [0, 13])
+def test_dominotree_grown_on_the_kernels_decodes_as_on_torch_ops(setup, pool_size):
+    """DominoTree with head_kernel triton grows its tree on kernels.tree_grow (the engine's grower
+    says so): the same tokens and the same accepted lengths, round for round, as the torch-op build,
+    and the same tokens as plain decoding. Static caches run the build through the grower's buffers."""
+    target, draft, _ = setup
+    params = dict(candidate_pool=pool_size, tree_nodes=12, tree_children=3, ngram_assist=False)
+    torch_engine = SpecEngine(target, draft, "dominotree", params=engine_params(**params))
+    fast = SpecEngine(target, draft, "dominotree", params=engine_params(head_kernel="triton", **params))
+    static = SpecEngine(target, draft, "dominotree",
+                        params=engine_params(head_kernel="triton", cuda_graphs="static", **params))
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    assert torch_engine.grower.kernels is None and fast.grower.kernels is not None
+    for prompt in random_prompts(1, V, seed=7):
+        a, b, c = torch_engine.generate(prompt, 12), fast.generate(prompt, 12), static.generate(prompt, 12)
+        assert b.token_ids == a.token_ids == c.token_ids == ar.generate(prompt, 12).token_ids
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths == c.stats.accepted_lengths

@@ -162,8 +162,8 @@ def log_draft_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def select_best(levels: list, nodes: int, K: int) -> DraftTree:
-    """Frontiers by depth -> the best `nodes` of them, best first (stable: on a tie the shallower,
-    so a parent precedes its children), their parents as verify rows."""
+    """Frontiers by depth, (tokens [F_d], scores [F_d], parent index in frontier d - 1 [F_d]) -> the
+    best `nodes` of them (`best_nodes`)."""
     offsets, at = [], 0
     for token, _, _ in levels:
         offsets.append(at)
@@ -174,6 +174,14 @@ def select_best(levels: list, nodes: int, K: int) -> DraftTree:
     # the parent's index in the concatenation (-1: x_start)
     parent = torch.cat([levels[0][2].new_full(levels[0][2].shape, -1)] +
                        [p + offsets[d - 1] for d, (_, _, p) in enumerate(levels) if d > 0])
+    return best_nodes(tokens, scores, depth, parent, nodes, K)
+
+
+def best_nodes(tokens: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, parent: torch.Tensor, nodes: int,
+               K: int) -> DraftTree:
+    """Every frontier concatenated depth-major, [S] each (parent: the index of the node's parent in
+    the concatenation, -1 for x_start) -> the best `nodes`, best first (stable: on a tie the
+    shallower, so a parent precedes its children), their parents as verify rows."""
     n = min(nodes, tokens.shape[0])
     order = torch.sort(scores, descending=True, stable=True).indices[:n]  # [n]
     row_of = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)  # concatenation index + 1 -> row
@@ -184,16 +192,25 @@ def select_best(levels: list, nodes: int, K: int) -> DraftTree:
                      max_depth=K)
 
 
+# the kernels' build holds a row's pool scores in registers: larger pools grow with torch ops
+MAX_KERNEL_POOL = 16384
+
+
 class TreeGrower:
     """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`. With
     `graphs` (static caches on CUDA) the build runs on static input buffers, one CUDA graph per
-    (K, sampling) (engine.graphs): one replay a round, the verify's bitmask included, instead of
-    ~12 launches a depth from Python; the tree is then the graph's own output, valid until the next
-    `grow` (a round verifies it before it drafts again). With `graphs=False` the same function runs
-    eagerly on the caller's tensors."""
+    (K, sampling) (engine.graphs): one replay a round, the verify's bitmask included; the tree is
+    then the graph's own output, valid until the next `grow` (a round verifies it before it drafts
+    again). With `graphs=False` the same function runs eagerly on the caller's tensors.
+
+    Which ops grow it: `head_kernel` triton (or auto on CUDA) grows greedy trees on the kernels
+    (`dominospec.kernels.tree_grow`, three launches a depth, the pool from `kernels.pool_select`)
+    where the GRU's input table fits and the pool is at most MAX_KERNEL_POOL; everything else
+    (sampling, no table, a wider pool) runs `grow_tree`'s torch ops, about four times the launches."""
 
     def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int,
-                 block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool):
+                 block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool,
+                 head_kernel: str = "torch"):
         from dominospec.engine.graphs import ShapeGraphs
 
         self.draft, self.embed_tokens = draft, embed_tokens
@@ -202,6 +219,7 @@ class TreeGrower:
         self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
         self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
         self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.kernels, self.pool = kernel_build(draft, embed_tokens, head_kernel, pool_size, vocab, dtype, device)
         self.graphs = ShapeGraphs(self._build, graphs)
 
     def grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
@@ -219,5 +237,36 @@ class TreeGrower:
         return lambda: self._grow(self.z[:K], self.base[:K], self.x_start, sampling)
 
     def _grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling) -> DraftTree:
+        if self.kernels is not None and sampling.greedy:
+            from dominospec.kernels.pool_select import pool_select
+            from dominospec.kernels.tree_grow import tree_levels
+
+            cand = pool_select(base_logits, self.kernels.pure_draft_prefix_len, self.pool_size, self.pool)
+            levels = tree_levels(self.kernels, z, base_logits, x_start, cand, self.nodes, self.children)
+            return best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, self.nodes, z.shape[0])
         return grow_tree(self.draft, z, base_logits, x_start, self.embed_tokens, self.nodes, self.children,
                          self.pool_size, sampling)
+
+
+def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int, vocab: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[Any, Any]:
+    """`engine.head_kernel` -> (the head prepared for the kernels, the pool selection's workspace or
+    None), or (None, None) where the tree grows with torch ops (TreeGrower)."""
+    from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
+
+    if head_kernel == "auto":
+        head_kernel = "triton" if triton_usable(device) else "torch"
+    pooled = 0 < pool_size < vocab
+    if head_kernel != "triton" or (pool_size if pooled else vocab) > MAX_KERNEL_POOL:
+        return None, None
+    kernels = prepare_head_kernels(draft, embed_tokens)
+    if kernels.gru.table is None:
+        return None, None
+    pool = None
+    if pooled:
+        from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
+
+        if dtype not in KEY_BITS:
+            return None, None
+        pool = pool_workspace(vocab, pool_size, dtype, device)
+    return kernels, pool

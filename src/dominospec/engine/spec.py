@@ -127,7 +127,7 @@ class SpecEngine:
                                 f"rows), got {params.tree_nodes}")
             self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree_nodes, params.tree_children,
                                      params.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
-                                     self.draft_dtype, self.device, graphs=self.cuda_graphs)
+                                     self.draft_dtype, self.device, graphs=self.cuda_graphs, head_kernel=self.head_kernel)
         self.layer_ids = list(draft.config.target_layer_ids)
         mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
         with torch.inference_mode():

@@ -1,0 +1,87 @@
+"""kernels.tree_grow (DominoTree's build, three launches a depth) against engine.domino_tree.grow_tree,
+the torch reference, on the same raw head weights (bench.head_model).
+
+- fp32: the same tree, node for node (paths, scores to fp32 summation order, best-first order, parent
+  rows, depths and the ancestor bitmask), over budgets from one node to more than a frontier holds,
+  pure draft slots (P = 1, 2), a pool smaller than the children offered, and K = P;
+- each frontier is the best of its offers: a broken select (an unsorted kept set) fails the test;
+- bf16: the tree may part from the reference only where the reference's own bf16 logits tie.
+Run: python -m pytest tests/kernels/test_tree_grow.py -q
+"""
+
+import pytest
+import torch
+from kernel_helpers import DEVICE
+from test_head_rollout import make
+
+from dominospec.bench import head_model
+from dominospec.engine.domino_tree import best_nodes, grow_tree
+from dominospec.kernels.head_rollout import head_weights
+from dominospec.kernels.pool_select import pool_select_reference
+from dominospec.kernels.tree_grow import frontier_sizes, offered, tree_levels
+
+CASES = [  # V, H, G, r, K, P, nodes, children, pool
+    (203, 37, 19, 13, 7, 1, 24, 4, 40),
+    (131, 20, 11, 9, 5, 2, 9, 3, 17),
+    (96, 16, 8, 4, 4, 1, 1, 4, 32),
+    (96, 16, 8, 4, 4, 1, 200, 4, 32),  # more nodes than the tree reaches at depth 1..3
+    (77, 9, 5, 3, 2, 2, 6, 3, 8),  # K = P: no corrected slot
+    (64, 12, 8, 6, 3, 1, 10, 5, 3),  # a pool of 3 offers 3 children, not 5
+]
+
+
+def paths(tree) -> dict:
+    """{path of tokens from x_start: (row, score)}."""
+    rows, out = [()], {}
+    for i, (t, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        rows.append(rows[p] + (t,))
+        out[rows[-1]] = (i, float(tree.scores[i]))
+    return out
+
+
+def build(V, H, G, r, K, P, nodes, children, pool, dtype, seed=0):
+    embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, dtype, seed=seed)
+    x_start = torch.tensor([5], device=DEVICE)
+    model, embed_tokens = head_model(embed, w_ih, w_hh, w1, w2, P, K)
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40)
+    ids = pool_select_reference(base, P, pool)
+    with torch.inference_mode():
+        want = grow_tree(model, z, base, x_start, embed_tokens, nodes, children, pool)
+        levels = tree_levels(weights, z, base, x_start, ids, nodes, children)
+        got = best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, nodes, K)
+    return got, want, levels
+
+
+@pytest.mark.parametrize("V, H, G, r, K, P, nodes, children, pool", CASES)
+def test_fp32_tree_equals_reference(V, H, G, r, K, P, nodes, children, pool):
+    got, want, levels = build(V, H, G, r, K, P, nodes, children, pool, torch.float32, seed=K + nodes)
+    assert levels.tokens.shape[0] == sum(frontier_sizes(nodes, offered(K, P, children, V, pool)))
+    assert got.size == want.size
+    ours, theirs = paths(got), paths(want)
+    assert ours.keys() == theirs.keys()
+    for path, (row, score) in theirs.items():
+        assert ours[path][0] == row, "best first, in the reference's order"
+        assert ours[path][1] == pytest.approx(score, abs=1e-4)
+    assert torch.equal(got.parents, want.parents) and torch.equal(got.depth, want.depth)
+    assert torch.equal(got.bits, want.bits)
+
+
+def test_each_frontier_is_sorted_best_first():
+    _, _, levels = build(203, 37, 19, 13, 7, 1, 24, 4, 40, torch.float32, seed=1)
+    scores, depth = levels.scores.tolist(), levels.depth.tolist()
+    for d in set(depth):
+        level = [s for s, dd in zip(scores, depth) if dd == d]
+        assert level == sorted(level, reverse=True), d
+    assert len(set(levels.tokens.tolist())) > 4, "the children differ"
+
+
+def test_bf16_tree_parts_only_at_near_ties():
+    V, H, G, r, K, P, nodes, children, pool = 203, 37, 19, 13, 7, 1, 24, 4, 40
+    got, want, _ = build(V, H, G, r, K, P, nodes, children, pool, torch.bfloat16, seed=2)
+    ours, theirs = paths(got), paths(want)
+    shared = ours.keys() & theirs.keys()
+    assert len(shared) >= nodes // 2, "most of the tree is the reference's"
+    # bf16 logits carry ~3 significant digits: the log-probabilities of a path may differ by a few
+    # bf16 ulps of its logits per step
+    for path in shared:
+        assert ours[path][1] == pytest.approx(theirs[path][1], abs=0.05 * len(path))
