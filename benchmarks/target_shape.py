@@ -22,7 +22,8 @@ meaningless (about 1), so nothing here reports one; the speed-ups are a projecti
               CUDA graphs for every T (bench.verify_costs)
   rounds      the engine's own rounds on random prompts, a random draft of the preset's shape, K = B - 1:
               ar; domino's chain (draft block, head rollout, verify); dominotree of 16 and 64 nodes (the
-              tree's build): device ms by phase and wall ms a round (GenerationStats)
+              tree's build on the kernels), and of 16 built with torch ops: device ms by phase and wall
+              ms a round (GenerationStats)
   train       the train stage's loop (bench.train_steps) at the preset's batch, doubled until it no longer fits
   generate    transformers' compiled static-cache `generate`: ms a step, from two lengths
 `profile`: where one step's device time goes, on the lean decoder at --context cached rows: the
@@ -54,7 +55,8 @@ SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_att
              head_dim=16)  # the architecture and vocabulary kept, the sizes cut
 TAUS = (3, 5, 7.33, 8.09)  # Domino's reruns on Qwen3-8B: 7.33; DominoTree: 8.09
 ROUNDS = {"ar": ("ar", {}), "domino chain": ("domino", {}), "dominotree 16": ("dominotree", {"tree_nodes": 16}),
-          "dominotree 64": ("dominotree", {"tree_nodes": 64})}
+          "dominotree 64": ("dominotree", {"tree_nodes": 64}),
+          "dominotree 16, torch-op build": ("dominotree", {"tree_nodes": 16, "head_kernel": "torch"})}
 
 
 def checkpoint(args: argparse.Namespace, cuda: bool, out: dict) -> Any:

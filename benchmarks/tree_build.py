@@ -52,13 +52,13 @@ def main() -> None:
     for shape in args.shapes.split(","):
         V, H, G, r, B = SHAPES[shape]
         K = B - 1
-        g = torch.Generator().manual_seed(0)
-        weights = [torch.randn(*s, generator=g) * scale for s, scale in
+        g = torch.Generator(device).manual_seed(0)
+        weights = [torch.randn(*s, generator=g, device=device) * scale for s, scale in
                    (((V, H), 1.0), ((3 * G, H), H ** -0.5), ((3 * G, G), G ** -0.5), ((r, H + G), (H + G) ** -0.5),
                     ((V, r), r ** -0.5))]
         model, embed = head_model(*[w.to(device, dtype) for w in weights], 1, B)
-        z = torch.randn(K, H, generator=g).to(device, dtype)
-        base = (torch.randn(K, V, generator=g) * 3).to(device, dtype)
+        z = torch.randn(K, H, generator=g, device=device).to(dtype)
+        base = (torch.randn(K, V, generator=g, device=device) * 3).to(dtype)
         x_start = torch.tensor([7], device=device)
         rows = out["shapes"][shape] = dict(V=V, H=H, G=G, r=r, K=K, budgets={})
         for nodes in [int(n) for n in args.budgets.split(",")]:

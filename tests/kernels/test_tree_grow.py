@@ -18,7 +18,9 @@ from dominospec.bench import head_model
 from dominospec.engine.domino_tree import best_nodes, grow_tree
 from dominospec.kernels.head_rollout import head_weights
 from dominospec.kernels.pool_select import pool_select_reference
-from dominospec.kernels.tree_grow import frontier_sizes, offered, tree_levels
+from dominospec.engine.domino_tree import ancestor_bits
+from dominospec.kernels.tree_grow import ancestor_bits as ancestor_bits_kernel
+from dominospec.kernels.tree_grow import frontier_sizes, offered, tree_levels, tree_weights
 
 CASES = [  # V, H, G, r, K, P, nodes, children, pool
     (203, 37, 19, 13, 7, 1, 24, 4, 40),
@@ -43,12 +45,12 @@ def build(V, H, G, r, K, P, nodes, children, pool, dtype, seed=0):
     embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, dtype, seed=seed)
     x_start = torch.tensor([5], device=DEVICE)
     model, embed_tokens = head_model(embed, w_ih, w_hh, w1, w2, P, K)
-    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40)
+    weights = tree_weights(head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40))
     ids = pool_select_reference(base, P, pool)
     with torch.inference_mode():
         want = grow_tree(model, z, base, x_start, embed_tokens, nodes, children, pool)
         levels = tree_levels(weights, z, base, x_start, ids, nodes, children)
-        got = best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, nodes, K)
+        got = best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, nodes, K, ancestor_bits_kernel)
     return got, want, levels
 
 
@@ -85,3 +87,16 @@ def test_bf16_tree_parts_only_at_near_ties():
     # bf16 ulps of its logits per step
     for path in shared:
         assert ours[path][1] == pytest.approx(theirs[path][1], abs=0.05 * len(path))
+
+
+@pytest.mark.parametrize("T, steps", [(1, 1), (9, 3), (64, 7), (65, 7), (200, 15), (257, 15)])
+def test_one_launch_ancestor_bits_equal_the_torch_passes(T, steps):
+    """Random trees (a parent before its child, depth <= steps) over one to five mask words."""
+    g = torch.Generator().manual_seed(T)
+    parents, depth = [0], [0]
+    for row in range(1, T):
+        choices = [p for p in range(row) if depth[p] < steps]
+        parents.append(choices[int(torch.randint(len(choices), (1,), generator=g))])
+        depth.append(depth[parents[-1]] + 1)
+    parents = torch.tensor(parents, device=DEVICE)
+    assert torch.equal(ancestor_bits_kernel(parents, steps), ancestor_bits(parents, steps))

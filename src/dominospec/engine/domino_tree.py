@@ -40,7 +40,7 @@ precedes its children, the rows 0..n of the whole tree are the tree of budget n,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -178,16 +178,17 @@ def select_best(levels: list, nodes: int, K: int) -> DraftTree:
 
 
 def best_nodes(tokens: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, parent: torch.Tensor, nodes: int,
-               K: int) -> DraftTree:
+               K: int, ancestors: Callable = ancestor_bits) -> DraftTree:
     """Every frontier concatenated depth-major, [S] each (parent: the index of the node's parent in
     the concatenation, -1 for x_start) -> the best `nodes`, best first (stable: on a tie the
-    shallower, so a parent precedes its children), their parents as verify rows."""
+    shallower, so a parent precedes its children), their parents as verify rows. `ancestors`:
+    `ancestor_bits` or the kernels' one-launch equivalent."""
     n = min(nodes, tokens.shape[0])
     order = torch.sort(scores, descending=True, stable=True).indices[:n]  # [n]
     row_of = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)  # concatenation index + 1 -> row
     row_of[order + 1] = torch.arange(1, n + 1, device=tokens.device)
     parents = row_of[parent[order] + 1]  # [n]
-    bits = ancestor_bits(torch.cat([parents.new_zeros(1), parents]), K)  # rows 0..n
+    bits = ancestors(torch.cat([parents.new_zeros(1), parents]), K)  # rows 0..n
     return DraftTree(tokens=tokens[order], parents=parents, depth=depth[order], scores=scores[order], bits=bits,
                      max_depth=K)
 
@@ -239,19 +240,20 @@ class TreeGrower:
     def _grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling) -> DraftTree:
         if self.kernels is not None and sampling.greedy:
             from dominospec.kernels.pool_select import pool_select
-            from dominospec.kernels.tree_grow import tree_levels
+            from dominospec.kernels.tree_grow import ancestor_bits as ancestors, tree_levels
 
-            cand = pool_select(base_logits, self.kernels.pure_draft_prefix_len, self.pool_size, self.pool)
+            cand = pool_select(base_logits, self.kernels.head.pure_draft_prefix_len, self.pool_size, self.pool)
             levels = tree_levels(self.kernels, z, base_logits, x_start, cand, self.nodes, self.children)
-            return best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, self.nodes, z.shape[0])
+            return best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, self.nodes, z.shape[0],
+                              ancestors)
         return grow_tree(self.draft, z, base_logits, x_start, self.embed_tokens, self.nodes, self.children,
                          self.pool_size, sampling)
 
 
 def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int, vocab: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[Any, Any]:
-    """`engine.head_kernel` -> (the head prepared for the kernels, the pool selection's workspace or
-    None), or (None, None) where the tree grows with torch ops (TreeGrower)."""
+    """`engine.head_kernel` -> (the head prepared for the build, kernels.tree_grow.TreeWeights; the
+    pool selection's workspace or None), or (None, None) where the tree grows with torch ops (TreeGrower)."""
     from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
 
     if head_kernel == "auto":
@@ -259,9 +261,11 @@ def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int
     pooled = 0 < pool_size < vocab
     if head_kernel != "triton" or (pool_size if pooled else vocab) > MAX_KERNEL_POOL:
         return None, None
-    kernels = prepare_head_kernels(draft, embed_tokens)
-    if kernels.gru.table is None:
+    head = prepare_head_kernels(draft, embed_tokens)
+    if head.gru.table is None:
         return None, None
+    from dominospec.kernels.tree_grow import tree_weights
+
     pool = None
     if pooled:
         from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
@@ -269,4 +273,4 @@ def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int
         if dtype not in KEY_BITS:
             return None, None
         pool = pool_workspace(vocab, pool_size, dtype, device)
-    return kernels, pool
+    return tree_weights(head), pool
