@@ -1,0 +1,84 @@
+"""The lean decoder's tree attention at a target shape, by its launch knobs: column-block size, the
+fewest blocks a split takes (min_span) and the splits per (kv head, tile).
+
+One layer's attention of T rows over `--context` cached rows, 36 calls captured in one CUDA graph
+(a model's layers), replayed; µs a call = the replay's device time ÷ 36. The default row of each T
+is what the lean runner uses today (kernels.tree_attention's defaults).
+
+    python benchmarks/studies/attention_splits.py --out attention_splits.json   # CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from dominospec.bench import environment, log, write_json
+    from dominospec.kernels.tree_attention import causal_bits, default_splits, tree_attention, tree_attention_workspace
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    out = dict(**environment(True), shape=dict(heads=Hq, kv_heads=Hkv, head_dim=D, context=args.context), rows={})
+    for T in [int(t) for t in args.rows.split(",")]:
+        C = args.context + T
+        k = torch.randn(Hkv, C, D, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(T, Hq, D, device=device, dtype=dtype)
+        start = torch.tensor(args.context, device=device)
+        bits = causal_bits(T, device)
+        base_splits = default_splits(T, Hq, Hkv, device)
+        configs = [("default", 64, 4, base_splits)] + [
+            (f"block {n}, span {s}, splits {x}", n, s, x)
+            for n, s, x in itertools.product((32, 64, 128), (1, 2, 4), (base_splits, 2 * base_splits))]
+        reference = None
+        for name, block_n, span, splits in configs:
+            ws = tree_attention_workspace(T, Hq, Hkv, D, device, splits=min(64, splits), min_span=span)
+            try:
+                got = tree_attention(q, k, v, start, bits, D ** -0.5, ws, block_n=block_n)
+            except Exception as e:  # a tile that does not fit the shared memory, say
+                log(f"T={T} {name}: {type(e).__name__}")
+                continue
+            reference = got if reference is None else reference
+            ok = bool(torch.allclose(got.float(), reference.float(), atol=2e-2, rtol=0))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(args.layers):
+                    tree_attention(q, k, v, start, bits, D ** -0.5, ws, block_n=block_n)
+            times = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(10):
+                    graph.replay()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / (10 * args.layers))
+            us = statistics.median(times)
+            out["rows"].setdefault(str(T), {})[name] = dict(us=us, block_n=block_n, min_span=span, splits=splits,
+                                                            same_as_default=ok)
+            log(f"T={T} {name}: {us:.1f} µs a layer{'' if ok else ' (DIFFERS)'}")
+            write_json(args.out, out)
+    lines = [f"\n{out['device']}, {out['date']}; Hq {Hq}, Hkv {Hkv}, D {D}, context {args.context}, bf16", "",
+             "| rows | default µs | best µs | best config |", "|---|---|---|---|"]
+    for T, by in out["rows"].items():
+        best = min(by.items(), key=lambda kv: kv[1]["us"])
+        lines.append(f"| {T} | {by['default']['us']:.1f} | {best[1]['us']:.1f} | {best[0]} |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
