@@ -81,11 +81,3 @@ def test_stage_script_rejects_bad_params_before_work(tmp_path):
     assert proc.returncode == 2
     assert "unknown key 'cache.layres'" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_presets_are_complete_params_files():
-    presets = sorted((REPO / "params").glob("*.yaml"))
-    assert presets, "no presets under params/"
-    for preset in presets:
-        params = load_params(preset)
-        assert params.target.model and params.draft.block_size > 1, preset.name

@@ -159,9 +159,9 @@ def params_with(path: str | Path, sets: list[str]) -> Any:
     """A params file with SECTION.KEY=VALUE overrides -> Params, checked by the loader (through a temporary file)."""
     import yaml
 
-    from dominospec.config import load_params
+    from dominospec.config import load_params, read_params
 
-    raw = apply_sets(yaml.safe_load(Path(path).read_text(encoding="utf-8")), sets)
+    raw = apply_sets(read_params(path), sets)
     with tempfile.TemporaryDirectory() as tmp:
         changed = Path(tmp) / Path(path).name
         changed.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")

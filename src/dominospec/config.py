@@ -7,6 +7,10 @@ problem raises `ParamsError` naming the file and the dotted key, before any work
     params.yaml: unknown key 'cache.layres'
     params.yaml: 'cache.batch_tokens' must be int, got str ('many')
 
+A preset, `params/NAME.yaml`, holds only the keys that differ from the params.yaml beside `params/`;
+`read_params` overlays it on that file (`overlay`), so a preset loads like a complete file, and
+`dominospec preset NAME` (dominospec.presets) writes the overlay into params.yaml, where DVC sees it.
+
 Stage name = pipeline script name = params section. Sections without a stage (`paths`,
 `target`, `mlflow`) are shared by all stages.
 `serve` configures `dominospec serve` (no DVC stage: serving is not a pipeline step).
@@ -16,6 +20,7 @@ Stage name = pipeline script name = params section. Sections without a stage (`p
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +30,9 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from dominospec.errors import ParamsError
+
+PRESETS = "params"  # the folder beside params.yaml whose NAME.yaml files are presets over it
+PRESET_STAMP = re.compile(r"# preset: ([\w.-]+)")  # params.yaml's first line once `dominospec preset NAME` wrote it
 
 
 @dataclass(frozen=True)
@@ -287,10 +295,55 @@ class Params:
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate a params file -> `Params`; raises `ParamsError` on any problem."""
+    """Read and validate a params file or a preset -> `Params`; raises `ParamsError` on any problem."""
     path = Path(path)
+    params = _build(Params, read_params(path), _label(path), prefix="", skip={"source"})
+    return dataclasses.replace(params, source=path)
+
+
+def read_params(path: str | Path) -> Any:
+    """A params file -> its raw YAML mapping, unchecked. A preset (`params/NAME.yaml` beside a params.yaml)
+    holds only what differs: it comes back overlaid on that params.yaml, so every key is there."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    base = preset_base(path)
+    if base is None:
+        return raw
+    if not isinstance(raw, dict) or not raw:
+        raise ParamsError(f"{_label(path)}: a preset must be a mapping of the keys it changes")
+    applied = applied_preset(base)
+    if applied not in (None, path.stem):
+        raise ParamsError(f"{base}: preset '{applied}' is already applied; restore the default params.yaml "
+                          f"(git checkout {base.name}) before taking '{path.stem}'")
+    return overlay(_read_yaml(base), raw)
+
+
+def preset_base(path: Path) -> Optional[Path]:
+    """`params/NAME.yaml` -> the params.yaml beside `params/` it overrides; None for a complete params file."""
+    base = path.resolve().parent.parent / "params.yaml"
+    return base if path.resolve().parent.name == PRESETS and base.is_file() else None
+
+
+def applied_preset(path: Path) -> Optional[str]:
+    """The preset `dominospec preset` wrote into this params.yaml (its first line says so), else None."""
+    match = PRESET_STAMP.match(path.read_text(encoding="utf-8"))
+    return match.group(1) if match else None
+
+
+def overlay(base: Any, over: dict[str, Any]) -> Any:
+    """Deep-merge `over` into the mapping `base`, in place (and returned): mappings merge key by key, any
+    other value (a list included) replaces the base's. An unknown key is added, for the loader to name."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            overlay(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _read_yaml(path: Path) -> Any:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ParamsError(f"{path}: no such params file") from None
     except OSError as err:  # a directory, no permission
@@ -301,8 +354,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
     except RecursionError:
         raise ParamsError(f"{path}: not valid YAML: nested too deeply") from None
-    params = _build(Params, raw, path.name, prefix="", skip={"source"})
-    return dataclasses.replace(params, source=path)
+
+
+def _label(path: Path) -> str:
+    """How an error names the file: `params.yaml`, or `params/NAME.yaml (over params.yaml)` for a preset."""
+    return path.name if preset_base(path) is None else f"{PRESETS}/{path.name} (over params.yaml)"
 
 
 def as_flat_dict(params: Params) -> dict[str, Any]:
