@@ -53,12 +53,14 @@ import torch
 # The plain engine: a chain, no pool, no lookups, torch ops, dynamic caches. Every other knob is the
 # params file's (the one set of defaults); a script or test overrides what it measures.
 PLAIN_ENGINE = dict(linear="torch", draft_dtype=None, candidate_pool=0, confidence_cut=0.0, ngram_assist=False,
-                    ngram_fork=False, tree_width=1, head_kernel="torch", cuda_graphs="off", lean_target="off")
+                    ngram_fork=False, head_kernel="torch", cuda_graphs="off", lean_target="off")
 
 
-def plain_engine(engine: Any, **overrides: Any) -> Any:
-    """params.engine (config.EngineParams) -> the plain engine's params with `overrides`."""
-    return dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
+def plain_engine(engine: Any, tree: Optional[dict[str, Any]] = None, **overrides: Any) -> Any:
+    """params.engine (config.EngineParams) -> the plain engine's params with `overrides`, and `tree`'s
+    changes to engine.tree over the plain chain (e.g. `tree=dict(shape="first_token", width=3)`)."""
+    plain = dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
+    return plain.with_tree(**{"shape": "chain", **(tree or {})})
 
 
 def parser(doc: str, params: Optional[str] = "params.yaml", threads: Optional[int] = None,

@@ -31,6 +31,12 @@ import yaml
 
 from dominospec.errors import ParamsError
 
+# keys that were renamed -> what replaced them (no alias: an old params file fails, saying this)
+RENAMED = {
+    "engine.tree_width": "engine.tree.width (with engine.tree.shape: first_token)",
+    "engine.tree_nodes": "engine.tree.nodes (engine.tree.shape: best_first, or mode dominotree)",
+    "engine.tree_children": "engine.tree.children (engine.tree.shape: best_first, or mode dominotree)",
+}
 PRESETS = "params"  # the folder beside params.yaml whose NAME.yaml files are presets over it
 PRESET_STAMP = re.compile(r"# preset: ([\w.-]+)")  # params.yaml's first line once `dominospec preset NAME` wrote it
 
@@ -173,6 +179,16 @@ class ExportParams:
 
 
 @dataclass(frozen=True)
+class TreeParams:
+    """The draft tree a round of mode `domino` verifies (`dominotree` always grows the best-first one)."""
+
+    shape: Literal["first_token", "best_first", "chain"]  # the draft's W best first tokens, each drafted on (greedy) | DominoTree (engine.domino_tree) | one chain
+    width: int  # first_token: W branches (1 = a chain); auto-K narrows it
+    nodes: int  # best_first: the node budget N, a verify of at most N + 1 rows; auto-K verifies the best n <= N
+    children: int  # best_first: children offered per expansion, the path's top-k corrected draft tokens
+
+
+@dataclass(frozen=True)
 class EngineParams:
     """Speed knobs of the built-in engine (evaluate, generate, built-in serve). None changes what is generated."""
 
@@ -186,13 +202,15 @@ class EngineParams:
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
     ngram_fork: bool  # with ngram_assist, greedy: verify it beside the draft's chain, two branches in one forward
-    tree_width: int  # greedy: verify the draft's W best first tokens as W branches, each drafted on; 1 = a chain
-    tree_nodes: int  # mode dominotree: the best-first tree's node budget N (a verify of at most N + 1 rows)
-    tree_children: int  # mode dominotree: children offered per expansion (the path's top-k corrected draft tokens)
+    tree: TreeParams  # the draft tree a Domino round verifies
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
     cuda_graphs: Literal["auto", "on", "off", "static"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA; static = the caches, forwards eager
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
     lean_target: Literal["auto", "on", "off"]  # with static caches: the target on the lean decoder (fused Triton ops, its own KV cache); auto = on CUDA where it fits
+
+    def with_tree(self, **changes: Any) -> EngineParams:
+        """These params with `changes` to engine.tree's fields (e.g. `shape="chain"`)."""
+        return dataclasses.replace(self, tree=dataclasses.replace(self.tree, **changes))
 
 
 @dataclass(frozen=True)
@@ -212,7 +230,7 @@ class EvaluateParams:
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
     server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
     sampled_temperature: Optional[float]  # a second pass at this temperature: AR, the Domino chain, DominoTree; null = none
-    chain_comparison: bool  # with the head and engine.tree_width > 1: also decode Domino's chain (tree_width 1), mode `domino_chain`
+    chain_comparison: bool  # with the head and a first-token tree of width > 1: also decode Domino's chain (engine.tree.shape chain), mode `domino_chain`
 
 
 @dataclass(frozen=True)
@@ -384,6 +402,8 @@ def _build(cls: type, raw: Any, fname: str, prefix: str, skip: set[str] = frozen
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
     for key in raw:
+        if f"{prefix}{key}" in RENAMED:
+            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': replaced by {RENAMED[prefix + key]}")
         if key not in names:
             raise ParamsError(f"{fname}: unknown key '{prefix}{key}'")
     values = {}
