@@ -145,15 +145,19 @@ def suites(params: Any, tokenizer: Any, prompts: int, specs: Optional[list[str]]
 
 
 def apply_sets(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
-    """SECTION.KEY=VALUE items (VALUE read as YAML) -> raw params, in place (and returned); an unknown key stops."""
+    """SECTION.KEY=VALUE items (a dotted key of any depth, e.g. engine.tree.nodes; VALUE read as YAML) -> raw
+    params, in place (and returned); an unknown key stops."""
     import yaml
 
     for item in sets:
         key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        if section not in raw or not isinstance(raw[section], dict) or name not in raw[section]:
+        *path, name = key.split(".")
+        table = raw
+        for part in path:
+            table = table.get(part) if isinstance(table, dict) else None
+        if not path or not isinstance(table, dict) or name not in table:
             raise SystemExit(f"--set {item}: no params key {key}")
-        raw[section][name] = yaml.safe_load(value)
+        table[name] = yaml.safe_load(value)
     return raw
 
 
