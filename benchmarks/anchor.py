@@ -8,7 +8,7 @@ For the first N prompts of each suite, greedy, 2 threads, every setup runs promp
                        pool, `evaluate.num_draft`); domino only with --draft DIR or --random-draft
     domino no fork     with --fork-too: domino with `engine.ngram_fork` off (a lookup hit replaces the
                        chain), interleaved with the forking domino of params
-    domino chain       with --tree-too: domino with `engine.tree_width: 1` (the draft's best first token only),
+    domino chain       with --tree-too: domino with `engine.tree.shape: chain` (the draft's best first token only),
                        interleaved with the domino of params (its draft tree)
     ... plain          with --plain-too: the same three on the stock copy (`engine.linear: torch`), so one
                        run says which linear kernels serve each mode best on this machine
@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--fork-too", action="store_true",
                    help="also run domino with engine.ngram_fork off, interleaved (needs --draft or --random-draft)")
     p.add_argument("--tree-too", action="store_true",
-                   help="also run domino with engine.tree_width 1, interleaved (needs --draft or --random-draft)")
+                   help="also run domino with engine.tree.shape chain, interleaved (needs --draft or --random-draft)")
     p.add_argument("--plain-too", action="store_true",
                    help="also run our ar / ngram / domino on the target as loaded (engine.linear: torch), interleaved")
     args = p.parse_args()
@@ -66,7 +66,7 @@ def main() -> None:
         engines["domino"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft, options)
         if args.tree_too:
             engines["domino chain"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
-                                                 dataclasses.replace(options, tree_width=1))
+                                                 options.with_tree(shape="chain"))
         if args.fork_too:
             engines["domino no fork"] = SpecEngine(ours, draft, "domino", params.evaluate.num_draft,
                                                    dataclasses.replace(options, ngram_fork=False))

@@ -189,7 +189,9 @@ def train_run(argv: list[str]) -> None:
 def shared_params(args: argparse.Namespace, shared: Path) -> dict[str, Any]:
     """The preset with this machine's target, the data, --regenerate and --set -> raw params whose
     paths all lie under `shared` (the runs move theirs out, see `run_params`)."""
-    raw = yaml.safe_load(Path(args.params).read_text(encoding="utf-8"))
+    from dominospec.config import read_params
+
+    raw = read_params(args.params)  # a preset comes back overlaid on params.yaml
     raw["target"]["model"] = str(Path(args.gguf_dir).resolve())
     raw["paths"] = {key: str((shared / value).resolve()) for key, value in raw["paths"].items()}
     if args.dataset:

@@ -190,14 +190,14 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
             "domino+fork" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)),
             "domino+tree" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
-                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True,
-                                                                   tree_width=args.tree_width)),
+                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)
+                                               .with_tree(shape="first_token", width=args.tree_width)),
         })
         for nodes in args.tree_nodes:  # one engine per node budget
             engines[tree_mode(nodes, args.tree_nodes) + suffix] = SpecEngine(
                 target, draft, "dominotree", args.num_draft,
-                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True, tree_nodes=nodes,
-                                    tree_children=args.tree_children))
+                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True).with_tree(nodes=nodes,
+                                                                                        children=args.tree_children))
     wanted = set(expand_modes(args.modes.split(","), args.tree_nodes)) | {args.reference} | (
         {"graph ar"} if args.graph_ar else set())
     if any(m.endswith(" graphs") for m in wanted):

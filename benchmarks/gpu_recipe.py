@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 
 from dominospec.bench import apply_sets
+from dominospec.config import read_params
 
 STAGES = ("prepare", "regenerate", "train", "export", "evaluate")
 DONE = {  # stage -> the file it writes last (under paths.metrics, or the export dir)
@@ -119,7 +120,7 @@ def write_pack(args: argparse.Namespace, params: Any, splits: Any, meta: dict) -
 
 def recipe_params(args: argparse.Namespace, work: Path) -> Path:
     """The preset with this machine's target, the packed source and the --set overrides -> a params file."""
-    raw = yaml.safe_load(Path(args.params).read_text(encoding="utf-8"))
+    raw = read_params(args.params)  # a preset comes back overlaid on params.yaml
     data = Path(args.data)
     source = work / "conversations.jsonl"
     if not source.exists():

@@ -13,8 +13,9 @@ gguf=$1 draft=$2 prompts=$3 out=$4 modes=${5:-domino ar}
 mkdir -p "$out"
 python3 - "$gguf" "$draft" "$prompts" $modes <<'PY'
 import sys, yaml
+from dominospec.config import read_params
 gguf, draft, prompts, *modes = sys.argv[1:]
-p = yaml.safe_load(open("params/smollm2-h200.yaml"))
+p = read_params("params/smollm2-h200.yaml")  # the preset overlaid on params.yaml
 p["target"]["model"] = gguf
 p["paths"]["draft"] = draft
 p["evaluate"].update(suites=[f"{prompts}/sharegpt.jsonl", f"{prompts}/humaneval.jsonl"], max_prompts=16,

@@ -54,9 +54,10 @@ from dominospec.bench import (as_target, building, copy_bandwidth, environment, 
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16)  # the architecture and vocabulary kept, the sizes cut
 TAUS = (3, 5, 7.33, 8.09)  # Domino's reruns on Qwen3-8B: 7.33; DominoTree: 8.09
-ROUNDS = {"ar": ("ar", {}), "domino chain": ("domino", {}), "dominotree 16": ("dominotree", {"tree_nodes": 16}),
-          "dominotree 64": ("dominotree", {"tree_nodes": 64}),
-          "dominotree 16, torch-op build": ("dominotree", {"tree_nodes": 16, "head_kernel": "torch"})}
+ROUNDS = {"ar": ("ar", {}, {}), "domino chain": ("domino", {}, {}), "dominotree 16": ("dominotree", {"nodes": 16}, {}),
+          "dominotree 64": ("dominotree", {"nodes": 64}, {}),
+          "dominotree 16, torch-op build": ("dominotree", {"nodes": 16}, {"head_kernel": "torch"})}
+# name -> (mode, engine.tree changes, other engine changes)
 
 
 def checkpoint(args: argparse.Namespace, cuda: bool, out: dict) -> Any:
@@ -133,16 +134,17 @@ def rounds(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None
     params = load_params(args.params)
     with building(target.device, target.embed_tokens.weight.dtype):
         draft = new_draft(params, target).eval().requires_grad_(False)  # the preset's draft shape, random
-    base = dataclasses.replace(params.engine, linear="torch", ngram_assist=False, ngram_fork=False, tree_width=1,
-                               cuda_graphs="on" if cuda else "static")
+    base = dataclasses.replace(params.engine, linear="torch", ngram_assist=False, ngram_fork=False,
+                               cuda_graphs="on" if cuda else "static").with_tree(shape="chain")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, target.identity.vocab_size, (args.context,), generator=g).tolist() for _ in range(args.prompts)]
     out["rounds"] = dict(prompts=args.prompts, prompt_tokens=args.context, new_tokens=args.new_tokens,
                          block_size=draft.config.block_size, draft_layers=len(draft.layers),
-                         candidate_pool=base.candidate_pool, tree_children=base.tree_children, modes={})
-    for name, (mode, extra) in ROUNDS.items():
-        rows = 1 + extra.get("tree_nodes", draft.config.block_size - 1 if mode != "ar" else 0)
-        options = dataclasses.replace(base, **extra, lean_target="on" if rows <= MAX_TREE_ROWS else "off")
+                         candidate_pool=base.candidate_pool, tree_children=base.tree.children, modes={})
+    for name, (mode, tree, extra) in ROUNDS.items():
+        rows = 1 + tree.get("nodes", draft.config.block_size - 1 if mode != "ar" else 0)
+        options = dataclasses.replace(base, lean_target="on" if rows <= MAX_TREE_ROWS else "off",
+                                      **extra).with_tree(**tree)
         engine = SpecEngine(target, None if mode == "ar" else draft, mode, None, options)
         engine.generate(prompts[0], args.new_tokens)  # captures, allocations, kernels: the timed shapes
         p = pooled([engine.generate(prompt, args.new_tokens) for prompt in prompts])

@@ -1,7 +1,7 @@
 """Chain, first-token tree and DominoTree in the engine, at equal verify rows, greedy and sampled.
 
 One run on this machine, every prompt through every mode back to back (interleaved): the Domino
-chain (K drafts, K + 1 verify rows), the first-token tree (`engine.tree_width` W: the W best first
+chain (K drafts, K + 1 verify rows), the first-token tree (`engine.tree.width` W: the W best first
 tokens, each drafted on: 1 + W·K rows) and DominoTree (`dominotree`, N nodes best first: 1 + N rows,
 N = W·K by default, so both trees verify the same rows). Fixed shapes by default (no auto-K, no
 prompt lookup), so τ does not depend on the machine's load; tokens/s are against AR in the same
@@ -47,17 +47,18 @@ def main() -> None:
     target = load_target(params)
     draft = load_draft(params, target, args.draft)
     linear = prepare_target(target, params.engine)
-    base = dataclasses.replace(params.engine, linear=linear, ngram_assist=False, ngram_fork=False,
-                               tree_width=1)
+    base = dataclasses.replace(params.engine, linear=linear, ngram_assist=False, ngram_fork=False).with_tree(
+        shape="chain")
     K = int(draft.config.block_size) - 1
     nodes = args.nodes or args.width * K
     k = "auto" if args.num_draft == "auto" else K
     engines = {
         "ar": SpecEngine(target, None, "ar", None, base),
         "chain": SpecEngine(target, draft, "domino", k, base),
-        f"first-token W={args.width}": SpecEngine(target, draft, "domino", k, dataclasses.replace(base, tree_width=args.width)),
-        f"DominoTree N={nodes}": SpecEngine(target, draft, "dominotree", k, dataclasses.replace(
-            base, tree_nodes=nodes, tree_children=args.children)),
+        f"first-token W={args.width}": SpecEngine(target, draft, "domino", k, base.with_tree(shape="first_token",
+                                                                                                   width=args.width)),
+        f"DominoTree N={nodes}": SpecEngine(target, draft, "dominotree", k, base.with_tree(
+            nodes=nodes, children=args.children)),
     }
     rows = {"ar": 1, "chain": K + 1, f"first-token W={args.width}": 1 + args.width * K, f"DominoTree N={nodes}": 1 + nodes}
     passes = [("greedy", Sampling())]

@@ -41,6 +41,9 @@ def test_default_params_load_typed_and_frozen():
         (lambda r: r["target"].update(dtype="float8"), "'target.dtype' must be one of"),
         (lambda r: r["prepare"].update(val_fraction="a lot"), "'prepare.val_fraction' must be float"),
         (lambda r: r.update(paths=[1, 2]), "'paths' must be a mapping"),
+        (lambda r: r["engine"]["tree"].update(shape="wide"), "'engine.tree.shape' must be one of"),
+        (lambda r: r["engine"]["tree"].pop("nodes"), "missing key 'engine.tree.nodes'"),
+        (lambda r: r["engine"].update(tree=4), "'engine.tree' must be a mapping"),
     ],
 )
 def test_bad_params_name_the_key(tmp_path, mutate, message):
@@ -83,9 +86,18 @@ def test_stage_script_rejects_bad_params_before_work(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_presets_are_complete_params_files():
-    presets = sorted((REPO / "params").glob("*.yaml"))
-    assert presets, "no presets under params/"
-    for preset in presets:
-        params = load_params(preset)
-        assert params.target.model and params.draft.block_size > 1, preset.name
+@pytest.mark.parametrize("old", ["tree_width", "tree_nodes", "tree_children"])
+def test_the_old_tree_keys_fail_naming_what_replaced_them(tmp_path, old):
+    """engine.tree_width / tree_nodes / tree_children became the engine.tree family; no alias."""
+    path = write_params(tmp_path, lambda r: r["engine"].update({old: 4}))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    new = old.replace("tree_", "tree.")
+    assert str(err.value).startswith(f"params.yaml: unknown key 'engine.{old}': replaced by engine.{new} (")
+
+
+def test_the_default_tree_is_the_first_token_tree_of_width_4():
+    tree = load_params(REPO / "params.yaml").engine.tree
+    assert (tree.shape, tree.width, tree.nodes, tree.children) == ("first_token", 4, 16, 4)
+    flat = as_flat_dict(load_params(REPO / "params.yaml"))
+    assert flat["engine.tree.shape"] == "first_token" and "engine.tree" not in flat

@@ -32,12 +32,12 @@ COST = dict(verify=[10.0 + 0.4 * r for r in range(300)], draft=3.0, rollout_step
 
 def modes(base):
     """name -> (mode, num_draft, engine params)."""
-    tree = dataclasses.replace(base, tree_width=4, ngram_assist=True, ngram_fork=True)
-    dominotree = dataclasses.replace(base, tree_nodes=24, ngram_assist=True, ngram_fork=True)
+    tree = dataclasses.replace(base, ngram_assist=True, ngram_fork=True).with_tree(shape="first_token", width=4)
+    dominotree = dataclasses.replace(base, ngram_assist=True, ngram_fork=True).with_tree(nodes=24)
     return {"ngram": ("ngram", None, base), "dflash": ("dflash", None, base),
-            "domino chain": ("domino", None, dataclasses.replace(base, tree_width=1)),
+            "domino chain": ("domino", None, base.with_tree(shape="chain")),
             "domino tree+fork": ("domino", None, tree),
-            "domino assist": ("domino", None, dataclasses.replace(base, tree_width=1, ngram_assist=True, ngram_fork=False)),
+            "domino assist": ("domino", None, dataclasses.replace(base, ngram_assist=True, ngram_fork=False).with_tree(shape="chain")),
             "dominotree+fork": ("dominotree", None, dominotree), "auto domino tree+fork": ("domino", "auto", tree),
             "auto dominotree+fork": ("dominotree", "auto", dominotree), "auto ngram": ("ngram", "auto", base)}
 

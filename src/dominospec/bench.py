@@ -53,12 +53,14 @@ import torch
 # The plain engine: a chain, no pool, no lookups, torch ops, dynamic caches. Every other knob is the
 # params file's (the one set of defaults); a script or test overrides what it measures.
 PLAIN_ENGINE = dict(linear="torch", draft_dtype=None, candidate_pool=0, confidence_cut=0.0, ngram_assist=False,
-                    ngram_fork=False, tree_width=1, head_kernel="torch", cuda_graphs="off", lean_target="off")
+                    ngram_fork=False, head_kernel="torch", cuda_graphs="off", lean_target="off")
 
 
-def plain_engine(engine: Any, **overrides: Any) -> Any:
-    """params.engine (config.EngineParams) -> the plain engine's params with `overrides`."""
-    return dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
+def plain_engine(engine: Any, tree: Optional[dict[str, Any]] = None, **overrides: Any) -> Any:
+    """params.engine (config.EngineParams) -> the plain engine's params with `overrides`, and `tree`'s
+    changes to engine.tree over the plain chain (e.g. `tree=dict(shape="first_token", width=3)`)."""
+    plain = dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
+    return plain.with_tree(**{"shape": "chain", **(tree or {})})
 
 
 def parser(doc: str, params: Optional[str] = "params.yaml", threads: Optional[int] = None,
@@ -143,15 +145,19 @@ def suites(params: Any, tokenizer: Any, prompts: int, specs: Optional[list[str]]
 
 
 def apply_sets(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
-    """SECTION.KEY=VALUE items (VALUE read as YAML) -> raw params, in place (and returned); an unknown key stops."""
+    """SECTION.KEY=VALUE items (a dotted key of any depth, e.g. engine.tree.nodes; VALUE read as YAML) -> raw
+    params, in place (and returned); an unknown key stops."""
     import yaml
 
     for item in sets:
         key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        if section not in raw or not isinstance(raw[section], dict) or name not in raw[section]:
+        *path, name = key.split(".")
+        table = raw
+        for part in path:
+            table = table.get(part) if isinstance(table, dict) else None
+        if not path or not isinstance(table, dict) or name not in table:
             raise SystemExit(f"--set {item}: no params key {key}")
-        raw[section][name] = yaml.safe_load(value)
+        table[name] = yaml.safe_load(value)
     return raw
 
 
@@ -159,9 +165,9 @@ def params_with(path: str | Path, sets: list[str]) -> Any:
     """A params file with SECTION.KEY=VALUE overrides -> Params, checked by the loader (through a temporary file)."""
     import yaml
 
-    from dominospec.config import load_params
+    from dominospec.config import load_params, read_params
 
-    raw = apply_sets(yaml.safe_load(Path(path).read_text(encoding="utf-8")), sets)
+    raw = apply_sets(read_params(path), sets)
     with tempfile.TemporaryDirectory() as tmp:
         changed = Path(tmp) / Path(path).name
         changed.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")

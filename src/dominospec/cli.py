@@ -38,6 +38,12 @@ def with_champion(params: Params) -> Params:
     return dataclasses.replace(params, paths=dataclasses.replace(params.paths, draft=str(champion.path)))
 
 
+def print_preset(name: str, params: str) -> None:
+    """`dominospec preset NAME`: apply it (dominospec.presets) and say which values changed."""
+    changed = resolve("dominospec.presets:apply_preset")(name, params)
+    print(f"{params}: preset {name}, {len(changed)} values changed" + "".join(f"\n  {key}" for key in changed))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`dominospec <command> [--params PATH] ...`"""
     parser = argparse.ArgumentParser(prog="dominospec", description=__doc__.splitlines()[0])
@@ -66,6 +72,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ret = sub.add_parser("retrain", help="new data snapshot, dvc repro, gate, register; the champion moves only "
                                          "on a pass (exit 0 promoted, 1 rejected, 2 failed)")
     ret.add_argument("--params", default="params.yaml")
+    pre = sub.add_parser("preset", help="write params/NAME.yaml's overrides into params.yaml (checked first; "
+                                        "`git checkout params.yaml` restores the default)")
+    pre.add_argument("name", help="a preset in params/, e.g. qwen3-8b or smollm2-h200")
+    pre.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     if args.command == "evaluate" and args.concurrency is not None and not args.server:
         parser.error("--concurrency applies to --server only")
@@ -84,6 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "serve":
         return report_user_errors(lambda: serve(load_params(args.params), host=args.host, port=args.port, backend=args.backend,
                                   champion=not args.no_champion))
+    if args.command == "preset":
+        return report_user_errors(lambda: print_preset(args.name, args.params))
     if args.command == "retrain":
         retrain = resolve("dominospec.retrain.job:retrain")
         report: dict = {}

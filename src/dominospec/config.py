@@ -7,6 +7,10 @@ problem raises `ParamsError` naming the file and the dotted key, before any work
     params.yaml: unknown key 'cache.layres'
     params.yaml: 'cache.batch_tokens' must be int, got str ('many')
 
+A preset, `params/NAME.yaml`, holds only the keys that differ from the params.yaml beside `params/`;
+`read_params` overlays it on that file (`overlay`), so a preset loads like a complete file, and
+`dominospec preset NAME` (dominospec.presets) writes the overlay into params.yaml, where DVC sees it.
+
 Stage name = pipeline script name = params section. Sections without a stage (`paths`,
 `target`, `mlflow`) are shared by all stages.
 `serve` configures `dominospec serve` (no DVC stage: serving is not a pipeline step).
@@ -16,6 +20,7 @@ Stage name = pipeline script name = params section. Sections without a stage (`p
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +30,15 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from dominospec.errors import ParamsError
+
+# keys that were renamed -> what replaced them (no alias: an old params file fails, saying this)
+RENAMED = {
+    "engine.tree_width": "engine.tree.width (with engine.tree.shape: first_token)",
+    "engine.tree_nodes": "engine.tree.nodes (engine.tree.shape: best_first, or mode dominotree)",
+    "engine.tree_children": "engine.tree.children (engine.tree.shape: best_first, or mode dominotree)",
+}
+PRESETS = "params"  # the folder beside params.yaml whose NAME.yaml files are presets over it
+PRESET_STAMP = re.compile(r"# preset: ([\w.-]+)")  # params.yaml's first line once `dominospec preset NAME` wrote it
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,16 @@ class ExportParams:
 
 
 @dataclass(frozen=True)
+class TreeParams:
+    """The draft tree a round of mode `domino` verifies (`dominotree` always grows the best-first one)."""
+
+    shape: Literal["first_token", "best_first", "chain"]  # the draft's W best first tokens, each drafted on (greedy) | DominoTree (engine.domino_tree) | one chain
+    width: int  # first_token: W branches (1 = a chain); auto-K narrows it
+    nodes: int  # best_first: the node budget N, a verify of at most N + 1 rows; auto-K verifies the best n <= N
+    children: int  # best_first: children offered per expansion, the path's top-k corrected draft tokens
+
+
+@dataclass(frozen=True)
 class EngineParams:
     """Speed knobs of the built-in engine (evaluate, generate, built-in serve). None changes what is generated."""
 
@@ -178,13 +202,15 @@ class EngineParams:
     ngram_num_draft: int  # ngram mode: most tokens proposed per round
     ngram_assist: bool  # draft modes: verify a prompt-lookup continuation instead of drafting when the context offers one
     ngram_fork: bool  # with ngram_assist, greedy: verify it beside the draft's chain, two branches in one forward
-    tree_width: int  # greedy: verify the draft's W best first tokens as W branches, each drafted on; 1 = a chain
-    tree_nodes: int  # mode dominotree: the best-first tree's node budget N (a verify of at most N + 1 rows)
-    tree_children: int  # mode dominotree: children offered per expansion (the path's top-k corrected draft tokens)
+    tree: TreeParams  # the draft tree a Domino round verifies
     head_kernel: Literal["auto", "torch", "triton"]  # Domino rollout: torch ops, or the Triton kernels (dominospec.kernels; CUDA or TRITON_INTERPRET)
     cuda_graphs: Literal["auto", "on", "off", "static"]  # static caches + CUDA graphs for verify, AR step and draft block; auto = on with CUDA; static = the caches, forwards eager
     graph_capacity: int  # rows of the static caches (prompt + new tokens + a block); longer generations run dynamically
     lean_target: Literal["auto", "on", "off"]  # with static caches: the target on the lean decoder (fused Triton ops, its own KV cache); auto = on CUDA where it fits
+
+    def with_tree(self, **changes: Any) -> EngineParams:
+        """These params with `changes` to engine.tree's fields (e.g. `shape="chain"`)."""
+        return dataclasses.replace(self, tree=dataclasses.replace(self.tree, **changes))
 
 
 @dataclass(frozen=True)
@@ -204,7 +230,7 @@ class EvaluateParams:
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
     server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
     sampled_temperature: Optional[float]  # a second pass at this temperature: AR, the Domino chain, DominoTree; null = none
-    chain_comparison: bool  # with the head and engine.tree_width > 1: also decode Domino's chain (tree_width 1), mode `domino_chain`
+    chain_comparison: bool  # with the head and a first-token tree of width > 1: also decode Domino's chain (engine.tree.shape chain), mode `domino_chain`
 
 
 @dataclass(frozen=True)
@@ -287,10 +313,55 @@ class Params:
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate a params file -> `Params`; raises `ParamsError` on any problem."""
+    """Read and validate a params file or a preset -> `Params`; raises `ParamsError` on any problem."""
     path = Path(path)
+    params = _build(Params, read_params(path), _label(path), prefix="", skip={"source"})
+    return dataclasses.replace(params, source=path)
+
+
+def read_params(path: str | Path) -> Any:
+    """A params file -> its raw YAML mapping, unchecked. A preset (`params/NAME.yaml` beside a params.yaml)
+    holds only what differs: it comes back overlaid on that params.yaml, so every key is there."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    base = preset_base(path)
+    if base is None:
+        return raw
+    if not isinstance(raw, dict) or not raw:
+        raise ParamsError(f"{_label(path)}: a preset must be a mapping of the keys it changes")
+    applied = applied_preset(base)
+    if applied not in (None, path.stem):
+        raise ParamsError(f"{base}: preset '{applied}' is already applied; restore the default params.yaml "
+                          f"(git checkout {base.name}) before taking '{path.stem}'")
+    return overlay(_read_yaml(base), raw)
+
+
+def preset_base(path: Path) -> Optional[Path]:
+    """`params/NAME.yaml` -> the params.yaml beside `params/` it overrides; None for a complete params file."""
+    base = path.resolve().parent.parent / "params.yaml"
+    return base if path.resolve().parent.name == PRESETS and base.is_file() else None
+
+
+def applied_preset(path: Path) -> Optional[str]:
+    """The preset `dominospec preset` wrote into this params.yaml (its first line says so), else None."""
+    match = PRESET_STAMP.match(path.read_text(encoding="utf-8"))
+    return match.group(1) if match else None
+
+
+def overlay(base: Any, over: dict[str, Any]) -> Any:
+    """Deep-merge `over` into the mapping `base`, in place (and returned): mappings merge key by key, any
+    other value (a list included) replaces the base's. An unknown key is added, for the loader to name."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            overlay(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _read_yaml(path: Path) -> Any:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ParamsError(f"{path}: no such params file") from None
     except OSError as err:  # a directory, no permission
@@ -301,8 +372,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
     except RecursionError:
         raise ParamsError(f"{path}: not valid YAML: nested too deeply") from None
-    params = _build(Params, raw, path.name, prefix="", skip={"source"})
-    return dataclasses.replace(params, source=path)
+
+
+def _label(path: Path) -> str:
+    """How an error names the file: `params.yaml`, or `params/NAME.yaml (over params.yaml)` for a preset."""
+    return path.name if preset_base(path) is None else f"{PRESETS}/{path.name} (over params.yaml)"
 
 
 def as_flat_dict(params: Params) -> dict[str, Any]:
@@ -328,6 +402,8 @@ def _build(cls: type, raw: Any, fname: str, prefix: str, skip: set[str] = frozen
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
     for key in raw:
+        if f"{prefix}{key}" in RENAMED:
+            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': replaced by {RENAMED[prefix + key]}")
         if key not in names:
             raise ParamsError(f"{fname}: unknown key '{prefix}{key}'")
     values = {}

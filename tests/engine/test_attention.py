@@ -115,7 +115,7 @@ def test_greedy_trees_equal_ar_on_grouped_attention():
     use_grouped_sdpa(target.model)
     draft = tiny_draft(target, block_size=4, seed=4)
     ar = SpecEngine(target, None, "ar", params=engine_params())
-    spec = SpecEngine(target, draft, "domino", 3, engine_params(tree_width=3, ngram_assist=True, ngram_fork=True))
+    spec = SpecEngine(target, draft, "domino", 3, engine_params(tree=dict(shape="first_token", width=3), ngram_assist=True, ngram_fork=True))
     side_wins = 0
     for prompt in random_prompts(10, 8, seed=5):
         out = spec.generate(prompt, 24)

@@ -1,14 +1,14 @@
-"""Draft trees (engine.draft_head, `tree_width`): the draft's W best first tokens, each drafted on.
+"""Draft trees (engine.draft_head, engine.tree shape first_token, `width` W): the draft's W best first tokens, each drafted on.
 
 - `DraftHead.branches` at W = 1 is `DraftHead.chain`'s greedy chain (head on, with and without the pool;
   head off).
 - At W = 4 each branch equals a reference written out one branch at a time with the model's own ops:
   branch w starts with the w-th most likely token of u_0, then the head's argmax of u_j + delta_j over
   its own GRU state (the pool's tokens only, with a pool); head off, every branch goes on with argmax u_j.
-- Greedy decoding with tree_width 3 equals AR token for token (domino, dflash; fixed K and auto-K;
+- Greedy decoding with a first-token tree of width 3 equals AR token for token (domino, dflash; fixed K and auto-K;
   dynamic and static caches; with and without a lookup branch), with rounds won by a guess other than
   the draft's best; the draft context stays in step with the target KV.
-- Under sampling no round branches; tree_width 0 is refused, naming the key.
+- Under sampling no round branches; width 0 is refused, naming the key.
 Run: python -m pytest tests/engine/test_branches.py -q
 """
 
@@ -77,8 +77,8 @@ def test_each_branch_equals_its_reference(head, pool):
     assert side_changes > 0 if head else side_changes == 0
 
 
-TREE = engine_params(tree_width=3)
-TREE_FORK = engine_params(tree_width=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
+TREE = engine_params(tree=dict(shape="first_token", width=3))
+TREE_FORK = engine_params(tree=dict(shape="first_token", width=3), ngram_assist=True, ngram_fork=True, ngram_max=3)
 
 
 @pytest.mark.parametrize("mode", ["domino", "dflash"])
@@ -111,5 +111,5 @@ def test_sampling_never_branches_and_width_0_is_refused():
         assert out.stats.tree_rounds == out.stats.fork_rounds == 0
         drafted += out.stats.draft_rounds
     assert drafted > 0
-    with pytest.raises(UserError, match="tree_width"):
-        SpecEngine(target, draft, "domino", None, engine_params(tree_width=0))
+    with pytest.raises(UserError, match="engine.tree.width must be >= 1"):
+        SpecEngine(target, draft, "domino", None, engine_params(tree=dict(shape="first_token", width=0)))

@@ -10,7 +10,7 @@ from dominospec.engine.policy import RoundCost
 def _engines():
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    options = engine_params(ngram_assist=True, ngram_max=3, tree_width=2)
+    options = engine_params(ngram_assist=True, ngram_max=3, tree=dict(shape="first_token", width=2))
     return (SpecEngine(target, draft, "domino", "auto", options), SpecEngine(target, draft, "dflash", "auto", options),
             SpecEngine(target, None, "ngram", "auto", options))
 

@@ -130,9 +130,9 @@ def test_verify_rows_see_their_ancestors_and_the_lookup_chain():
     assert ancestor_bits(torch.tensor([0, 0, 1]), 2).tolist() == [[1], [3], [7]]
 
 
-TREE = engine_params(tree_nodes=9, tree_children=3)
-TREE_FORK = engine_params(tree_nodes=9, tree_children=3, ngram_assist=True, ngram_fork=True, ngram_max=3)
-TREE_POOL = engine_params(tree_nodes=7, tree_children=2, candidate_pool=5, draft_dtype="float32")
+TREE = engine_params(tree=dict(nodes=9, children=3))
+TREE_FORK = engine_params(tree=dict(nodes=9, children=3), ngram_assist=True, ngram_fork=True, ngram_max=3)
+TREE_POOL = engine_params(tree=dict(nodes=7, children=2), candidate_pool=5, draft_dtype="float32")
 
 
 @pytest.mark.parametrize("num_draft", [None, "auto"])
@@ -145,7 +145,7 @@ def test_greedy_dominotree_equals_ar(num_draft, runner, options):
     if runner != "dynamic":
         options = dataclasses.replace(options, cuda_graphs="static", graph_capacity=128, lean_target="on" if runner == "lean" else "off")
     engine = SpecEngine(target, draft, "dominotree", num_draft, options)
-    assert engine.max_verify == options.tree_nodes + (7 if options.ngram_fork else 0)
+    assert engine.max_verify == options.tree.nodes + (7 if options.ngram_fork else 0)
     assert (engine.runners.lean is not None) == (runner == "lean")
     engine.cost = streaming_cost(engine.max_verify)  # auto-K: a fixed cost table, not this machine's timing
     stats = stats_equal_to_ar(engine, ar)
@@ -169,9 +169,9 @@ def test_dominotree_accepts_more_than_the_chain_on_the_same_draft():
 
 
 SAMPLED = [
-    (Sampling(temperature=1.0), engine_params(tree_nodes=6, tree_children=3)),
-    (Sampling(temperature=0.7), engine_params(tree_nodes=4, tree_children=2, candidate_pool=3)),
-    (Sampling(temperature=1.5, top_p=0.9), engine_params(tree_nodes=6, tree_children=3, ngram_assist=True, ngram_max=2)),
+    (Sampling(temperature=1.0), engine_params(tree=dict(nodes=6, children=3))),
+    (Sampling(temperature=0.7), engine_params(tree=dict(nodes=4, children=2), candidate_pool=3)),
+    (Sampling(temperature=1.5, top_p=0.9), engine_params(tree=dict(nodes=6, children=3), ngram_assist=True, ngram_max=2)),
 ]
 SAMPLES, BROKEN_SAMPLES = 2000, 1000
 
@@ -283,15 +283,14 @@ def test_choose_nodes_against_brute_force():
 
 
 def test_bad_tree_settings_are_refused(target, draft):
-    for options, word in [(engine_params(tree_nodes=0), "tree_nodes"), (engine_params(tree_children=0), "tree_children"),
-                          (engine_params(tree_nodes=257), "tree_nodes.*at most 256")]:
+    for options, word in [(engine_params(tree=dict(nodes=0)), "tree.nodes"), (engine_params(tree=dict(children=0)), "tree.children"),
+                          (engine_params(tree=dict(nodes=257)), "tree.nodes is at most 256")]:
         with pytest.raises(UserError, match=word):
             SpecEngine(target, draft, "dominotree", None, options)
     no_head = tiny_draft(target, block_size=4, head=False)
     with pytest.raises(UserError, match="dominotree.*Domino head"):
         SpecEngine(target, no_head, "dominotree", params=engine_params())
-    lean = engine_params(tree_nodes=256, ngram_assist=True, ngram_fork=True, ngram_num_draft=70, cuda_graphs="static",
-                         lean_target="on", graph_capacity=64)
+    lean = engine_params(tree=dict(nodes=256), ngram_assist=True, ngram_fork=True, ngram_num_draft=70, cuda_graphs="static", lean_target="on", graph_capacity=64)
     with pytest.raises(UserError, match="327 rows, over 320"):
         SpecEngine(target, draft, "dominotree", None, lean)
 
@@ -300,7 +299,7 @@ def test_sampled_rounds_and_lookups_keep_the_caches_in_step():
     """Sampled dominotree with lookups replacing the draft on a hit: the caches hold prompt + answer - 1."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
-    engine = SpecEngine(target, draft, "dominotree", "auto", engine_params(tree_nodes=9, ngram_assist=True, ngram_max=3))
+    engine = SpecEngine(target, draft, "dominotree", "auto", engine_params(tree=dict(nodes=9), ngram_assist=True, ngram_max=3))
     engine.cost = streaming_cost(engine.max_verify)
     lookups = 0
     for i, prompt in enumerate(repetitive_prompts(6, 8, seed=3)):
@@ -309,3 +308,20 @@ def test_sampled_rounds_and_lookups_keep_the_caches_in_step():
         assert s.draft_context_length == s.target_kv_length == len(prompt) + len(out.token_ids) - 1
         lookups += s.lookup_rounds
     assert lookups > 0
+
+
+def test_domino_drafts_the_tree_engine_tree_shape_names():
+    """`domino` follows engine.tree.shape: best_first is DominoTree (the same tokens and rounds as mode
+    dominotree), chain ignores the width, first_token verifies W first guesses; dflash never grows a
+    best-first tree."""
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True)
+    best_first = SpecEngine(target, draft, "domino", None, TREE.with_tree(shape="best_first"))
+    tree = SpecEngine(target, draft, "dominotree", None, TREE.with_tree(shape="first_token"))
+    assert (best_first.mode, best_first.nodes, best_first.width) == ("dominotree", 9, 1)
+    for prompt in random_prompts(3, 8, seed=4):
+        a, b = best_first.generate(prompt, 16), tree.generate(prompt, 16)
+        assert a.token_ids == b.token_ids and a.stats.round_tokens == b.stats.round_tokens
+    for shape, mode, width in [("chain", "domino", 1), ("first_token", "domino", 3), ("best_first", "dflash", 1)]:
+        engine = SpecEngine(target, draft, mode, None, TREE.with_tree(shape=shape, width=3))
+        assert (engine.mode, engine.width, engine.nodes) == (mode, width, 0)

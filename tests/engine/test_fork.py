@@ -32,7 +32,7 @@ from dominospec.engine.policy import RoundCost, choose_k, choose_tree
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
-FORK = engine_params(ngram_assist=True, ngram_fork=True, ngram_max=3)  # tree_width 1: chain + lookup
+FORK = engine_params(ngram_assist=True, ngram_fork=True, ngram_max=3)  # a chain (engine.tree.shape): chain + lookup
 CPU = torch.device("cpu")
 
 

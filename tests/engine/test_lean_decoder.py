@@ -130,15 +130,17 @@ def test_the_hf_model_still_computes_the_same_after_packing():
 @pytest.mark.parametrize("mode, options", [
     ("ar", {}),
     ("domino", {}),
-    ("domino", dict(ngram_assist=True, ngram_fork=True, tree_width=3)),
-    ("dflash", dict(tree_width=2)),
+    ("domino", dict(ngram_assist=True, ngram_fork=True, tree=dict(shape="first_token", width=3))),
+    ("dflash", dict(tree=dict(shape="first_token", width=2))),
     ("ngram", {}),
 ])
 def test_engine_on_the_lean_decoder_generates_what_the_static_runner_does(mode, options):
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2, max_positions=128)
     draft = tiny_draft(target, block_size=6, seed=8) if mode in ("domino", "dflash") else None
-    plain = SpecEngine(target, draft, mode, None, dataclasses.replace(STATIC, **options))
-    lean = SpecEngine(target, draft, mode, None, dataclasses.replace(LEAN, **options))
+    options = dict(options)
+    tree = options.pop("tree", {})
+    plain = SpecEngine(target, draft, mode, None, dataclasses.replace(STATIC, **options).with_tree(**tree))
+    lean = SpecEngine(target, draft, mode, None, dataclasses.replace(LEAN, **options).with_tree(**tree))
     assert lean.runners.lean is not None and plain.runners.lean is None
     lean.capture(64)  # every shape run once beforehand (graphs on a GPU): generation is unchanged by it
     for prompt in repetitive_prompts(4, 8, seed=3) + random_prompts(4, 8, seed=2):
@@ -154,7 +156,7 @@ def test_lean_target_auto_off_and_refusals():
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).runners.lean is None  # CPU
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).runners.lean is None
     with pytest.raises(UserError, match="widest round verifies 326 rows, over 320"):
-        SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, tree_width=65))  # 65 x 5 + 1 rows
+        SpecEngine(target, draft, "domino", None, LEAN.with_tree(shape="first_token", width=65))  # 65 x 5 + 1 rows
     with pytest.raises(UserError, match="lean_target must be on, off or auto"):
         SpecEngine(target, None, "ar", None, dataclasses.replace(LEAN, lean_target="yes"))
     target.model.config.hidden_act = "gelu"

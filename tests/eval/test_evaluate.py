@@ -195,9 +195,9 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
         torch.set_float32_matmul_precision("highest")
     assert seen["precision"] == "highest"
     assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
-    chain = seen["options"].pop("domino_chain")  # the configured options with tree_width 1
+    chain = seen["options"].pop("domino_chain")  # the configured options with a chain for a tree
     assert len({id(options) for options in seen["options"].values()}) == 1
-    assert chain == dataclasses.replace(seen["options"]["domino"], tree_width=1) and chain.tree_width == 1
+    assert chain == seen["options"]["domino"].with_tree(shape="chain") and chain.tree.shape == "chain"
 
 
 def test_the_comparisons_off_run_neither_the_chain_nor_the_sampled_pass(setup, tmp_path):
@@ -228,7 +228,7 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
     K, lookup_k = report["num_draft"], report["engine"]["ngram_num_draft"] if report["engine"]["ngram_assist"] else 0
     # verify is measured for W branches of K drafts (a chain: W = 1) and, with ngram_assist, for a lookup
     # of ngram_num_draft tokens; with ngram_fork for both at once
-    fork, W = lookup_k and report["engine"]["ngram_fork"], report["engine"]["tree_width"]
+    fork, W = lookup_k and report["engine"]["ngram_fork"], report["engine"]["tree"]["width"]
     rows = W * K + lookup_k + 1 if fork else max(W * K, lookup_k) + 1
     assert len(record["cost_ms"]["verify"]) == rows and len(record["round_over_ar_step_by_k"]) == K + 1
     assert record["round_over_ar_step_by_k"][0] == 1.0 and 0 <= record["k_at_end"] <= K
@@ -244,7 +244,7 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
         assert len(record["tree"]["rank_share_estimate_at_end"]) == W - 1 and record["cost_ms"]["branch_step"] > 0
         width, kd, kl = record["tree"]["k_at_end"]
         assert 1 <= width <= W and 0 <= kd <= K and kl == 0
-    tree, N = report["auto_k"]["dominotree"], report["engine"]["tree_nodes"]  # auto-budget: by nodes verified
+    tree, N = report["auto_k"]["dominotree"], report["engine"]["tree"]["nodes"]  # auto-budget: by nodes verified
     assert tree["cost_ms"]["tree_build"] > 0 and len(tree["cost_ms"]["verify"]) == N + lookup_k * bool(fork) + 1
     expected = tree["dominotree"]["expected_tokens_by_nodes"]
     assert len(expected) == N + 1 and expected[0] == 1.0 and expected == sorted(expected)

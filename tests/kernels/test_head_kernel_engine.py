@@ -136,10 +136,10 @@ def test_branches_equal_torch(setup, pool_size):
 @cpu_engine
 @pytest.mark.parametrize("pool_size", [0, 13])
 def test_static_engine_runs_the_tree_through_its_graph_buffers(setup, pool_size):
-    """tree_width 3 on static caches: the branches run on RolloutGraphs' static inputs (one function
+    """A first-token tree of width 3 on static caches: the branches run on RolloutGraphs' static inputs (one function
     per (K, W); CUDA graphs on a GPU), with the same tokens and rounds as the torch head's tree."""
     target, draft, _ = setup
-    options = dict(candidate_pool=pool_size, tree_width=3)
+    options = dict(candidate_pool=pool_size, tree=dict(shape="first_token", width=3))
     torch_engine = SpecEngine(target, draft, "domino", params=engine_params(**options))
     static = SpecEngine(target, draft, "domino",
                         params=engine_params(head_kernel="triton", cuda_graphs="static", **options))
@@ -159,7 +159,7 @@ def test_dominotree_grown_on_the_kernels_decodes_as_on_torch_ops(setup, pool_siz
     says so): the same tokens and the same accepted lengths, round for round, as the torch-op build,
     and the same tokens as plain decoding. Static caches run the build through the grower's buffers."""
     target, draft, _ = setup
-    params = dict(candidate_pool=pool_size, tree_nodes=12, tree_children=3, ngram_assist=False)
+    params = dict(candidate_pool=pool_size, tree=dict(nodes=12, children=3), ngram_assist=False)
     torch_engine = SpecEngine(target, draft, "dominotree", params=engine_params(**params))
     fast = SpecEngine(target, draft, "dominotree", params=engine_params(head_kernel="triton", **params))
     static = SpecEngine(target, draft, "dominotree",

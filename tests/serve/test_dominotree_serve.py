@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("dominotree")
     with running_server(root, LIMITS) as process:
         raw = yaml.safe_load(process.params.read_text())
-        assert raw["engine"]["tree_nodes"] >= 1
+        assert raw["engine"]["tree"]["nodes"] >= 1
         yield process
 
 
@@ -39,7 +39,7 @@ def test_greedy_chat_is_lossless_and_server_info_names_the_tree(server):
     with authorised_client(server) as client:
         info = client.get("/server_info").json()
         assert info["mode"] == "dominotree" and info["speculative_algorithm"] == "DOMINOTREE"
-        nodes = load_params(server.params).engine.tree_nodes
+        nodes = load_params(server.params).engine.tree.nodes
         assert info["speculative_num_draft_tokens"] == nodes + 1
         for messages in CHATS:
             ids = render(target.tokenizer, messages)

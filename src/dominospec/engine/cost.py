@@ -4,7 +4,7 @@ On a real prompt (prefilled once): the target forward over r = 1..R rows with th
 (the verify of r - 1 proposed tokens; r = 1 is the plain step; R - 1 the most a round verifies: a
 chain of K_max, W chains, a tree, a lookup beside them; a runner that pads r up to a row bucket is
 timed once a bucket), the draft forward over the block with the base logits of K_max rows, a
-K_max-step chain, (`tree_width` W > 1) W chains of K_max drafts, and (`dominotree`) the growth of
+K_max-step chain, (a first-token tree, engine.tree.width W > 1) W chains of K_max drafts, and (`dominotree`) the growth of
 the whole tree; each `repeats` times, the phases interleaved so that machine load hits them alike,
 and the fastest kept (load only ever adds time: the minimum is the machine's own cost, and K does
 not follow one descheduled sample). The measurement runs on the engine's own runners (static

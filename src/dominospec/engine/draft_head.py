@@ -12,7 +12,7 @@ base logits u = lm_head(z) [K, V], both in the draft path's dtype, and x_start [
   the corrected steps score only the M tokens with the highest base logit over those steps,
   `cand = topk(max_{j >= P} u_j, M)`, so a step reads M rows of W2 instead of V. Tokens outside
   the pool get probability 0. M = 0 (or M >= V) is the exact full vocabulary.
-- branches (greedy, `tree_width` W > 1): the W most likely first tokens of u_0, each drafted on
+- branches (greedy, engine.tree.width W > 1): the W most likely first tokens of u_0, each drafted on
   with the head correcting every branch for its own prefix (engine.fork verifies them as a tree).
   Branch 0 with W = 1 is the greedy chain.
 

@@ -1,7 +1,7 @@
 """Branching rounds: several proposals for the same positions, verified together in one target forward.
 
 A round may have more than one proposal for what follows x_start:
-- the draft's W most likely first tokens (`tree_width`), each continued by the draft (engine.draft_head):
+- the draft's W most likely first tokens (engine.tree.width), each continued by the draft (engine.draft_head):
   when the draft's best guess is wrong, its second or third often is, and the head continues each
   branch from its own first token;
 - a prompt lookup (`ngram_fork`): lookups and the draft win on different stretches, a lookup on text

@@ -77,7 +77,7 @@ def chains(pieces: Sequence[tuple[str, torch.Tensor]], x_start: torch.Tensor,
                     tuple(parts))
 
 
-def tree_nodes(tree, n: int, lookup: Optional[torch.Tensor]) -> Proposal:
+def best_first(tree, n: int, lookup: Optional[torch.Tensor]) -> Proposal:
     """DominoTree's best n nodes (engine.domino_tree.DraftTree), then a lookup chain [L] under row 0
     (or None) -> their Proposal (the tree's own bitmask, no host copy)."""
     L = 0 if lookup is None else lookup.numel()

@@ -11,7 +11,7 @@ three things and never looks at the mode:
 - `PlainSteps` (`ar`): nothing to propose, one target step a round.
 - `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
 - `DraftChains` (`dflash`, `domino`): the draft's chain, cut where its confidence falls below
-  `confidence_cut`; greedy with `tree_width` W > 1, the draft's W best first tokens as W chains; with
+  `confidence_cut`; greedy with a first-token tree of width W > 1 (engine.tree), the draft's W best first tokens as W chains; with
   ngram_assist a lookup hit replaces the draft, or, forking (greedy), is verified beside it. Auto-K
   chooses (W, K, L) together (`choose_tree`), or K alone for a chain.
 - `DraftTree` (`dominotree`): the best-first tree (engine.domino_tree), of which auto-budget verifies
@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from dominospec.engine.policy import AcceptanceModel, RankModel, RoundCost, choose_k, choose_tree
-from dominospec.engine.proposal import Proposal, chains, tree_nodes
+from dominospec.engine.proposal import Proposal, best_first, chains
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
 from dominospec.engine.verdict import Verdict
@@ -237,7 +237,7 @@ class DraftTree(Proposer):
         if block is None:
             return chains(lookup, x_start)
         tree = self.grower.grow(*block, x_start, sampling)
-        return tree_nodes(tree, min(plan.width, tree.size), lookup[0][1] if lookup else None)
+        return best_first(tree, min(plan.width, tree.size), lookup[0][1] if lookup else None)
 
     def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
         K, L, n = plan.drafts, len(plan.lookup), verdict.proposal.count("tree")

@@ -70,7 +70,7 @@ class EngineRunners:
             return
         if problem:
             raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
-                            "(lower engine.tree_width / tree_nodes / ngram_num_draft, or set lean_target: auto)")
+                            "(lower engine.tree.width / tree.nodes / ngram_num_draft, or set lean_target: auto)")
         triton = self.device.type == "cuda"
         self.lean = lean_decoder(self.model, triton)
         if self.draft is not None:

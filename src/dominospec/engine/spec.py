@@ -7,11 +7,12 @@ One `SpecEngine` per (target, draft, mode); `generate(prompt ids) -> Generation`
 - `dflash`: the draft backbone proposes a block, each draft token an independent draw from the
   base logits u (head off).
 - `domino`: the same block, drafted by the Domino rollout (GRU-corrected logits u + delta).
-- `dominotree`: the same block and head, drafting a best-first tree of `tree_nodes` nodes
-  (engine.domino_tree), of which auto-budget verifies the best n (engine.tree_policy).
+- `dominotree`: the same block and head, drafting a best-first tree of `engine.tree.nodes` nodes
+  (engine.domino_tree), of which auto-budget verifies the best n (engine.tree_policy). `domino`
+  drafts the tree `engine.tree.shape` names, so with `best_first` it is `dominotree`.
 With `ngram_assist` a draft mode's round whose context offers a prompt-lookup continuation verifies
-that instead, or, with `ngram_fork` (greedy), beside the draft; with `tree_width` W > 1 (greedy) the
-draft's W best first tokens are verified as W chains (engine.proposers).
+that instead, or, with `ngram_fork` (greedy), beside the draft; with `engine.tree.shape` first_token
+and `width` W > 1 (greedy) the draft's W best first tokens are verified as W chains (engine.proposers).
 
 The mode picks a proposer once (engine.proposers); every round is the same (engine.round): plan,
 draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. The runners
@@ -70,6 +71,8 @@ class SpecEngine:
         if params.linear not in ("packed", "torch"):
             raise UserError(f"engine.linear: {params.linear} is resolved by engine.configure.prepare_target(), "
                             "which times the target; pass dataclasses.replace(params, linear=its choice)")
+        if mode == "domino" and params.tree.shape == "best_first":  # domino drafts engine.tree's shape
+            mode = "dominotree"
         self.mode, self.target, self.model, self.params = mode, target, target.model, params
         self.packed = params.linear == "packed"  # the draft path's linears pre-packed for oneDNN (engine.packed)
         self.static_cache, self.cuda_graphs = static_caches(params)  # fixed-size caches; CUDA graphs replayed on them
@@ -83,11 +86,12 @@ class SpecEngine:
         self.draft_dtype, self.draft_lm_head = self.dtype, None
         self.head, self.grower = None, None  # the draft's proposal (engine.draft_head), DominoTree's build
         self.auto = num_draft == "auto"
-        self.tree_width = params.tree_width if mode in ("dflash", "domino") else 1
-        self.tree_nodes = params.tree_nodes if mode == "dominotree" else 0
+        first_token = mode in ("dflash", "domino") and params.tree.shape == "first_token"
+        self.width = params.tree.width if first_token else 1  # the first-token tree's W (1: a chain)
+        self.nodes = params.tree.nodes if mode == "dominotree" else 0  # the best-first tree's budget N
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
-        if params.tree_width < 1:
-            raise UserError(f"engine.tree_width must be >= 1 (1 = a chain), got {params.tree_width}")
+        if params.tree.width < 1:
+            raise UserError(f"engine.tree.width must be >= 1 (1 = a chain), got {params.tree.width}")
         if mode in DRAFT_MODES:
             self._load_draft(draft, mode, params)
         elif mode == "ngram":
@@ -119,13 +123,13 @@ class SpecEngine:
         self.head = draft_head(self.draft, self.embed_tokens, mode, self.head_kernel, params.candidate_pool,
                                self.static_cache, self.cuda_graphs, self.block_size, self.draft_dtype, self.device)
         if mode == "dominotree":
-            if params.tree_nodes < 1 or params.tree_children < 1:
-                raise UserError(f"engine.tree_nodes and engine.tree_children must be >= 1, got "
-                                f"{params.tree_nodes} and {params.tree_children}")
-            if params.tree_nodes > MAX_TREE_NODES:
-                raise UserError(f"engine.tree_nodes is at most {MAX_TREE_NODES} (a verify of 1 + nodes + lookup "
-                                f"rows), got {params.tree_nodes}")
-            self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree_nodes, params.tree_children,
+            if params.tree.nodes < 1 or params.tree.children < 1:
+                raise UserError(f"engine.tree.nodes and engine.tree.children must be >= 1, got "
+                                f"{params.tree.nodes} and {params.tree.children}")
+            if params.tree.nodes > MAX_TREE_NODES:
+                raise UserError(f"engine.tree.nodes is at most {MAX_TREE_NODES} (a verify of 1 + nodes + lookup "
+                                f"rows), got {params.tree.nodes}")
+            self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree.nodes, params.tree.children,
                                      params.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
                                      self.draft_dtype, self.device, graphs=self.cuda_graphs, head_kernel=self.head_kernel)
         self.layer_ids = list(draft.config.target_layer_ids)
@@ -148,9 +152,9 @@ class SpecEngine:
                       auto=self.auto, fork=self.params.ngram_fork and self.lookup_k_max > 0 and mode != "ngram",
                       device=self.device)
         if mode == "dominotree":
-            return DraftTree(self.grower, self.tree_nodes, **shared)
+            return DraftTree(self.grower, self.nodes, **shared)
         if mode in ("dflash", "domino"):
-            return DraftChains(self.head, self.tree_width, self.params.confidence_cut, **shared)
+            return DraftChains(self.head, self.width, self.params.confidence_cut, **shared)
         return (LookupSteps if mode == "ngram" else PlainSteps)(**shared)
 
     @property
@@ -296,7 +300,7 @@ class SpecEngine:
             drafter.crop(1)
         for K in range(1, self.num_draft + 1):
             self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
-            for W in range(2, self.tree_width + 1):
+            for W in range(2, self.width + 1):
                 self.head.branches(z[:K], base_logits[:K], x_start, W)
             if self.grower is not None:
                 self.grower.grow(z[:K], base_logits[:K], x_start)
@@ -314,7 +318,7 @@ class SpecEngine:
         forward costs this engine takes (engine.cost.measure_round_cost)."""
         kv, drafter = self.runners.pair(len(prompt) + self.runners.max_rows)
         ids = torch.tensor(prompt, device=self.device)
-        self.cost = measure_round_cost(kv, drafter, self.head, self.grower, self.tree_width, ids, self.num_draft,
+        self.cost = measure_round_cost(kv, drafter, self.head, self.grower, self.width, ids, self.num_draft,
                                        self.max_verify + 1, self.draft_dtype, self.now, shared=shared)
         return self.cost
 

@@ -17,7 +17,7 @@ is recorded with the target's top-2 logit margin at that point, so it can be che
 near-tie.
 
 Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`;
-with the head also `domino_chain` (Domino with tree_width 1, when the configured one branches) and
+with the head also `domino_chain` (Domino with engine.tree.shape chain, when the configured tree branches) and
 `dominotree` (the best-first tree), in `modes` only. `sampled_report` is the second pass at the
 suite's sampling setting: τ and speed of AR, Domino and DominoTree under sampling.
 The flat keys describe the draft's mode (`spec_*`, `acceptance_length`, `speedup`, ...), `_no_head`
@@ -101,7 +101,7 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "fork_round_share": sum(s.fork_rounds for s in stats) / rounds if rounds else None,  # ngram_fork: chain + lookup
         "fork_lookup_win_share": (sum(s.fork_lookup_wins for s in stats) / forks  # of those, the lookup's branch won
                                   if (forks := sum(s.fork_rounds for s in stats)) else None),
-        "tree_round_share": sum(s.tree_rounds for s in stats) / rounds if rounds else None,  # tree_width: > 1 first guess
+        "tree_round_share": sum(s.tree_rounds for s in stats) / rounds if rounds else None,  # first-token tree: > 1 first guess
         "tree_side_win_share": (sum(s.tree_side_wins for s in stats) / trees  # of those, a guess after the best won
                                 if (trees := sum(s.tree_rounds for s in stats)) else None),
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,

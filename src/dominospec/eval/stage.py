@@ -1,7 +1,7 @@
 """The `evaluate` stage: AR vs prompt lookup vs head-off vs Domino decoding on prompt suites, in one run.
 
 For every prompt of every suite the modes run back to back (AR, ngram, head off, Domino as
-configured, and with the head: the Domino chain when `engine.tree_width` > 1, and DominoTree) with
+configured, and with the head: the Domino chain when engine.tree is a first-token tree of width > 1, and DominoTree) with
 the same sampling seed, so machine drift hits all alike. With `evaluate.sampled_temperature` a second
 pass runs AR, Domino and DominoTree at that temperature (seeds fixed), each suite's `sampled` entry. All share one target, prepared once
 for the `engine:` params (packed linears: the AR baseline gets the verify forward's kernels).
@@ -82,8 +82,8 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
                NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
         engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)
-        if cfg.chain_comparison and options.tree_width > 1:  # the first-token tree's own chain, for comparison
-            engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, dataclasses.replace(options, tree_width=1))
+        if cfg.chain_comparison and engines[HEAD].width > 1:  # the first-token tree's own chain, for comparison
+            engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, options.with_tree(shape="chain"))
         engines[TREE] = SpecEngine(target, draft, TREE, cfg.num_draft, options)
     loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
@@ -195,15 +195,15 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         }
         if models.fork:  # the (W, K_d, K_l) a full lookup would get now
             record["fork"] = {"k_at_end": list(choose_tree(cost, models.acceptance.survival(), survival, k_max,
-                                                           engine.lookup_k_max, ranks, engine.tree_width))}
+                                                           engine.lookup_k_max, ranks, engine.width))}
     if engine.mode == TREE:  # DominoTree: the tree's survival by budget at the end, and the budget it gives
         survival = models.tree_model.survival()
         record["dominotree"] = {"expected_tokens_by_nodes": [1.0 + sum(s) for s in survival],
-                                "nodes_at_end": choose_nodes(cost, survival, [], engine.tree_nodes, 0)[0]}
-    if engine.tree_width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
+                                "nodes_at_end": choose_nodes(cost, survival, [], engine.nodes, 0)[0]}
+    if engine.width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
         record["tree"] = {"rank_share_estimate_at_end": ranks,
                           "k_at_end": list(choose_tree(cost, models.acceptance.survival(), [], k_max, 0,
-                                                       ranks, engine.tree_width))}
+                                                       ranks, engine.width))}
     return record
 
 
@@ -234,7 +234,7 @@ def run_sampled(suite: Suite, engines: dict[str, SpecEngine], sampling: Sampling
 def tree_shares(engine: SpecEngine) -> list[float]:
     """-> the engine's estimate of r_2 .. r_W (engine.policy.RankModel) after its last generation."""
     models = engine.proposer
-    return models.ranks.shares(models.acceptance.survival()[0]) if engine.tree_width > 1 else []
+    return models.ranks.shares(models.acceptance.survival()[0]) if engine.width > 1 else []
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,

@@ -150,9 +150,9 @@ def static_info(params: Params, engine: Any, name: str, path: Any, auth: bool) -
         "started": int(time.time()),
         "served_model_name": name,
         "mode": cfg.mode,
-        "speculative_algorithm": ("DOMINOTREE" if cfg.mode == "dominotree" else "DFLASH") if spec else None,
+        "speculative_algorithm": ("DOMINOTREE" if engine.mode == "dominotree" else "DFLASH") if spec else None,
         # SGLang's meaning: the verify window, anchor/bonus slot included (K + 1; = B by default; a tree's N + 1)
-        "speculative_num_draft_tokens": (engine.tree_nodes or engine.num_draft) + 1 if spec else None,
+        "speculative_num_draft_tokens": (engine.nodes or engine.num_draft) + 1 if spec else None,
         "block_size": engine.block_size if spec else None,
         "num_draft": engine.num_draft if spec else None,
         "target": engine.target.identity.as_dict(),
