@@ -17,11 +17,11 @@ from typing import Any, Optional
 import torch
 
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.fork import MAX_TREE_ROWS
 from dominospec.engine.lean_decoder import lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraftBlock, lean_draft
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
 
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
