@@ -33,14 +33,12 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from dominospec.config import EngineParams
-from dominospec.engine.clock import PhaseClock
 from dominospec.engine.configure import head_kernel, static_caches
 from dominospec.engine.cost import measure_round_cost
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.domino_tree import MAX_TREE_NODES, TreeGrower
 from dominospec.engine.draft_head import draft_head
 from dominospec.engine.loading import check_draft_matches
-from dominospec.engine.ngram import NgramIndex
 from dominospec.engine.packed import linear_for, pack_linears
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.proposers import DraftChains, DraftTree, LookupSteps, PlainSteps, Proposer
@@ -218,7 +216,7 @@ class SpecEngine:
 
         t_begin = self.now()
         rows = T + budget + self.runners.max_rows
-        state = RoundState(*self.runners.pair(rows), PhaseClock(self.device, self._events), self.device)
+        state = RoundState(*self.runners.pair(rows), self.device, self._events)
         stats.static_cache = self.runners.fits_static(rows)
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
@@ -226,8 +224,7 @@ class SpecEngine:
             state.pending.append(features)
         stats.prefill_s = self.now() - t_begin
         if self.mode == "ngram" or (drafting and self.params.ngram_assist):
-            state.index = NgramIndex(self.params.ngram_min, self.params.ngram_max)
-            state.index.extend(prompt.tolist())
+            state.look_up(prompt.tolist(), self.params.ngram_min, self.params.ngram_max)
 
         tokens: list[int] = []
         new, reason = admit(tokens, [first], budget, self.stop_ids)
@@ -235,8 +232,7 @@ class SpecEngine:
         detok = IncrementalDetokenizer(self._decode) if stops else None
         streamed = 0  # tokens already handed to on_tokens
         while True:
-            if state.index is not None:
-                state.index.extend(tokens[len(state.index.tokens) - T:])
+            state.catch_up(tokens)
             if detok is not None:
                 clean, checked = detok.read_offset, len(detok.text)  # tokens[:clean] hold no stop string
                 detok.push(tokens[len(detok.tokens):])
