@@ -117,7 +117,8 @@ def test_runners_do_not_reach_into_the_round():
             for dep in graph[todo.pop()] - seen:
                 seen.add(dep)
                 todo.append(dep)
-        problems += [f"{runner} imports {m}" for m in sorted(seen) if m.removeprefix("dominospec.engine.") in ROUND_MODULES]
+        problems += [f"{runner} imports {m}" for m in sorted(seen)
+                     if m.removeprefix("dominospec.engine.") in ROUND_MODULES]
     assert not problems, problems
 
 

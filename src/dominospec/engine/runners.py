@@ -68,8 +68,8 @@ class EngineRunners:
     `path`: the draft as the engine runs it (engine.draft_path; None without a draft), whose model,
     LM head, MASK embeddings and target layers the draft block runners take."""
 
-    def __init__(self, model: Any, params: Any, max_rows: int, device: torch.device, static: bool, graphs: bool,
-                 packed: bool, embed_tokens: Any = None, path: Optional["DraftPath"] = None):
+    def __init__(self, model: Any, params: EngineParams, max_rows: int, device: torch.device, static: bool,
+                 graphs: bool, packed: bool, embed_tokens: Any = None, path: Optional["DraftPath"] = None):
         self.model, self.params, self.max_rows, self.device = model, params, max_rows, device
         self.static, self.graphs = static, graphs
         self.embed_tokens = embed_tokens
