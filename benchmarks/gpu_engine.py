@@ -21,7 +21,7 @@ every mode runs in turn (interleaved, so all see the same machine drift):
     domino        SpecEngine "domino", head_kernel triton on CUDA (torch on CPU)
     domino+ngram  the same with ngram_assist
     domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
-                  two branches of one forward, engine.fork)
+                  two branches of one forward, engine.proposers)
     domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
                   as W branches, each drafted on, engine.draft_head)
     dominotree+fork  SpecEngine "dominotree" (`--tree-nodes` N best-first nodes, `--tree-children` a node,

@@ -18,7 +18,7 @@ meaningless (about 1), so nothing here reports one; the speed-ups are a projecti
   floor       bytes an AR step reads (every weight but the input embedding, and the KV cache of
               --context rows) ÷ a device-to-device copy's bandwidth measured here, both recorded
   verify      a verify of T rows (--rows) against the AR step, on the lean decoder where T fits its
-              row limit at run time (engine.fork.MAX_TREE_ROWS), and on transformers' static cache as
+              row limit at run time (engine.verify_shape.MAX_TREE_ROWS), and on transformers' static cache as
               CUDA graphs for every T (bench.verify_costs)
   rounds      the engine's own rounds on random prompts, a random draft of the preset's shape, K = B - 1:
               ar; domino's chain (draft block, head rollout, verify); dominotree of 16 and 64 nodes (the
@@ -103,7 +103,7 @@ def floor(target: Any, context: int, cuda: bool, out: dict) -> None:
 
 def verify(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """Verify of T rows on each runner that takes T -> out["verify"][runner][T]."""
-    from dominospec.engine.fork import MAX_TREE_ROWS
+    from dominospec.engine.verify_shape import MAX_TREE_ROWS
     from dominospec.engine.lean_decoder import lean_decoder
     from dominospec.engine.lean_kv import LeanTargetKV
     from dominospec.engine.target_kv import StaticTargetKV
@@ -128,7 +128,7 @@ def rounds(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None
     """The engine's rounds by mode on random prompts (a random draft: τ ≈ 1, costs only) -> out["rounds"]."""
     from dominospec.config import load_params
     from dominospec.engine import SpecEngine
-    from dominospec.engine.fork import MAX_TREE_ROWS
+    from dominospec.engine.verify_shape import MAX_TREE_ROWS
     from dominospec.eval.report import pooled
 
     params = load_params(args.params)

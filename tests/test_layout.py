@@ -90,6 +90,38 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
+SPEC_ENGINE_IMPORTS = 12  # engine modules engine/spec.py may import: it assembles the engine, it is no hub
+RUNNER_MODULES = ("runners", "target_kv", "lean_kv", "draft_block", "lean_draft", "lean_decoder", "kv", "graphs")
+ROUND_MODULES = ("round", "proposers", "proposal", "accept", "verdict")
+
+
+def engine_modules(names) -> set:
+    return {m for m in names if m.startswith("dominospec.engine.")}
+
+
+def test_spec_imports_few_engine_modules():
+    """engine/spec.py assembles the engine from a few parts (the draft path, the runners, the proposer,
+    the round), `TYPE_CHECKING` imports included."""
+    imported = engine_modules(library_graph(typing=True)["dominospec.engine.spec"])
+    assert len(imported) <= SPEC_ENGINE_IMPORTS, sorted(imported)
+
+
+def test_runners_do_not_reach_into_the_round():
+    """A runner runs the verify shape it is given (engine.verify_shape): no runner module imports a
+    round module, directly or through another, `TYPE_CHECKING` imports included."""
+    graph = library_graph(typing=True)
+    problems = []
+    for runner in RUNNER_MODULES:
+        seen, todo = set(), [f"dominospec.engine.{runner}"]
+        while todo:
+            for dep in graph[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        problems += [f"{runner} imports {m}" for m in sorted(seen)
+                     if m.removeprefix("dominospec.engine.") in ROUND_MODULES]
+    assert not problems, problems
+
+
 def test_layers_point_down():
     """pipeline -> stages (`*.stage`, cli) -> library -> errors / models / kernels, never upwards."""
     graph = library_graph()

@@ -55,7 +55,7 @@ def layer_us(S: int, T: int, repeats: int = 300) -> dict[str, float]:
 
 def forward_ms(target, S: int, T: int, reps: int) -> dict[str, float]:
     """The target's forward of T rows (a 3-branch tree when T > 1) after S cached rows -> {attention: fastest ms}."""
-    from dominospec.engine.fork import branch_tree
+    from dominospec.engine.verify_shape import branch_tree
     from dominospec.engine.target_kv import DynamicTargetKV
 
     ids = torch.randint(100, 40000, (1, S), generator=torch.Generator().manual_seed(S))

@@ -528,7 +528,7 @@ def verify_costs(kv: Any, vocab: int, context: int, rows: list[int], reps: int, 
     T rows (`tree_lengths`; T = 1 is the AR step), the forward, the argmax read (the round's one
     synchronisation), then the crop back (untimed). Medians of `reps` after 5 warm-ups; device_ms: CUDA
     events around the forward alone."""
-    from dominospec.engine.fork import branch_tree
+    from dominospec.engine.verify_shape import branch_tree
 
     device = kv.keys.device if hasattr(kv, "keys") else next(kv.model.parameters()).device
     g = torch.Generator().manual_seed(0)

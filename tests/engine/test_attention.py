@@ -21,8 +21,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 import dominospec.engine.attention as attention
 from dominospec.engine import SpecEngine
 from dominospec.engine.attention import NAME, grouped_sdpa, use_grouped_sdpa
-from dominospec.engine.fork import branch_tree
 from dominospec.engine.target_kv import DynamicTargetKV
+from dominospec.engine.verify_shape import branch_tree
 
 SHAPES = [(9, 3, 12, 300), (4, 2, 5, 37), (8, 1, 2, 9), (6, 3, 20, 61)]  # H, H_kv, T rows, S columns
 

@@ -1,4 +1,4 @@
-"""Branching rounds (engine.fork): several proposals verified as branches of one forward.
+"""Branching rounds (engine.proposers, engine.verify_shape): several proposals verified as branches of one forward.
 
 - `branch_tree` equals a mask written out by hand from the rule: a row sees row 0 and its own
   branch's earlier rows; one branch is the chain.
@@ -25,12 +25,12 @@ from engine_helpers import engine_params, repetitive_prompts, stats_equal_to_ar,
 
 from dominospec.engine import SpecEngine
 from dominospec.engine.accept import accept_greedy
-from dominospec.engine.fork import branch_tree, chain_tree
 from dominospec.engine.proposal import chains
 from dominospec.engine.verdict import Verdict
 from dominospec.engine.policy import RoundCost, choose_k, choose_tree
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.verify_shape import branch_tree, chain_tree
 
 FORK = engine_params(ngram_assist=True, ngram_fork=True, ngram_max=3)  # a chain (engine.tree.shape): chain + lookup
 CPU = torch.device("cpu")

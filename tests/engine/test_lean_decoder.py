@@ -16,11 +16,11 @@ import torch
 from engine_helpers import engine_params, draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine.fork import branch_tree
 from dominospec.engine.lean_decoder import LeanDecoder, DecoderOps, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV
+from dominospec.engine.verify_shape import branch_tree
 from dominospec.errors import UserError
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=128)

@@ -12,9 +12,9 @@ import torch
 
 from engine_helpers import tiny_target  # noqa: E402
 
-from dominospec.engine.fork import branch_tree  # noqa: E402
 from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder  # noqa: E402
 from dominospec.engine.lean_kv import LeanTargetKV  # noqa: E402
+from dominospec.engine.verify_shape import branch_tree  # noqa: E402
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),

@@ -1,4 +1,4 @@
-"""params -> what the engine resolves from its params here (caches, kernels), sampling, and the target prepared once for every engine built on it."""
+"""params -> what the engine resolves from its params here (the head's kernels), sampling, and the target prepared once for every engine built on it."""
 
 from __future__ import annotations
 
@@ -14,20 +14,6 @@ from dominospec.engine.packed import pack_linears, unpack_linears
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
 from dominospec.target import Target
-
-
-def static_caches(cfg: EngineParams) -> tuple[bool, bool]:
-    """engine.cuda_graphs -> (static caches, CUDA graphs replayed on them) on this machine: `on` both
-    (CUDA only), `auto` both where CUDA is, `static` the caches with eager forwards (any device),
-    `off` neither."""
-    if cfg.graph_capacity < 16:
-        raise UserError(f"engine.graph_capacity must be >= 16 rows, got {cfg.graph_capacity}")
-    if cfg.cuda_graphs == "on" and not torch.cuda.is_available():
-        raise UserError("engine.cuda_graphs: on needs a CUDA GPU; set engine.cuda_graphs: auto or off on this machine")
-    if cfg.cuda_graphs == "static":
-        return True, False
-    graphs = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
-    return graphs, graphs
 
 
 def head_kernel(choice: str) -> str:

@@ -33,7 +33,7 @@ and how it learns, from one verified tree, what every smaller budget would have 
 The verify rows (`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at
 depth d_i (position start + d_i); each row sees the committed context, its ancestors and itself.
 The build also writes each row's ancestors as a bitmask (`DraftTree.bits`, the lean verify's
-format, engine.fork): K gathers, bits = self | bits[parent], inside the same graph. Since a parent
+format, engine.verify_shape): K gathers, bits = self | bits[parent], inside the same graph. Since a parent
 precedes its children, the rows 0..n of the whole tree are the tree of budget n, bits included.
 """
 
@@ -47,9 +47,9 @@ import torch.nn.functional as F
 
 import functools
 
-from dominospec.engine.fork import Tree, pack_bits, words_for
 from dominospec.engine.draft_head import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
+from dominospec.engine.verify_shape import Tree, pack_bits, words_for
 
 MAX_TREE_NODES = 256  # a budget's verify, 1 + 256 nodes + a lookup chain, fits the lean decoder's rows
 
@@ -75,7 +75,7 @@ class DraftTree:
 
     def verify_rows(self, n: int, lookup: int = 0) -> tuple[Tree, torch.Tensor]:
         """The verify of x_start, the best n nodes, then a lookup chain of `lookup` rows under x_start
-        (engine.fork) -> (its Tree: depth [T], bits [T, words_for(T)], T = 1 + n + lookup; parent rows
+        (engine.verify_shape) -> (its Tree: depth [T], bits [T, words_for(T)], T = 1 + n + lookup; parent rows
         [T], row 0 its own). Device ops only: no host -> device copy."""
         T, device = 1 + n + lookup, self.tokens.device
         tree_bits = self.bits[:1 + n, :words_for(T)]

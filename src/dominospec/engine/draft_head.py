@@ -13,7 +13,7 @@ base logits u = lm_head(z) [K, V], both in the draft path's dtype, and x_start [
   `cand = topk(max_{j >= P} u_j, M)`, so a step reads M rows of W2 instead of V. Tokens outside
   the pool get probability 0. M = 0 (or M >= V) is the exact full vocabulary.
 - branches (greedy, engine.tree.width W > 1): the W most likely first tokens of u_0, each drafted on
-  with the head correcting every branch for its own prefix (engine.fork verifies them as a tree).
+  with the head correcting every branch for its own prefix (verified as a tree: engine.verify_shape).
   Branch 0 with W = 1 is the greedy chain.
 
 Only verification must be exact: a pool, like a bf16 draft, only changes which tokens are

@@ -5,8 +5,8 @@ length to keep (and x < 0 as rows to drop); newer ones accept only x <= 0, rows 
 negative count means "drop that many rows" on both, so `crop_kv` only ever passes one, and
 never 0 (which the older releases read as "keep nothing").
 
-`move_rows` copies cached rows into earlier slots in place (a fork round's winning branch, see
-engine.fork), on the dynamic and the static cache alike.
+`move_rows` copies cached rows into earlier slots in place (a branching round's winning branch,
+engine.proposers), on the dynamic and the static cache alike.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.fork import MAX_TREE_ROWS, Tree, chain_tree, pack_bits
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.engine.lean_decoder import LeanDecoder
+from dominospec.engine.verify_shape import MAX_TREE_ROWS, Tree, chain_tree, pack_bits
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 

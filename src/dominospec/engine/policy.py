@@ -16,7 +16,7 @@ prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good a
 it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the counts fade, the
 prior comes back and a probe round is tried again.
 
-A branching round (engine.fork) verifies a tree: the draft's W best first tokens, each drafted on
+A branching round (engine.proposers) verifies a tree: the draft's W best first tokens, each drafted on
 to K_d tokens (engine.draft_head), and beside them a prompt lookup of K_l tokens. The W draft branches
 start with distinct tokens, so at most one of them gets past its first token: the draft tree accepts
 >= k with probability t_k = a_k * (1 + (r_2 + ... + r_W) / a_1), where r_w = P(the target's token is
@@ -56,7 +56,7 @@ class RoundCost:
         return self.verify[k]
 
     def tree_ms(self, width: int, kd: int, kl: int) -> float:
-        """Cost of a branching round (engine.fork): `width` draft branches of kd drafts and a lookup of kl
+        """Cost of a branching round (engine.proposers): `width` draft branches of kd drafts and a lookup of kl
         tokens in one verify (width 1, kl 0: a chain round)."""
         step = self.rollout_step if width == 1 else self.branch_step
         drafting = self.draft + kd * step if kd else 0.0

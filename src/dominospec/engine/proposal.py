@@ -7,7 +7,7 @@ proposers (engine.proposers) build one `Proposal` a round from their parts:
 - DominoTree: one part of n nodes, a best-first tree (engine.domino_tree);
 - a prompt lookup: one part, a chain under row 0, after the draft's (a fork); or alone.
 A chain alone needs no mask (`shape` None: the runners' causal verify); anything else carries its
-`Tree` (engine.fork: depths and visibility, ancestors only).
+`Tree` (engine.verify_shape: depths and visibility, ancestors only).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dominospec.engine.fork import Tree, branch_tree
+from dominospec.engine.verify_shape import Tree, branch_tree
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ class Proposal:
 def chains(pieces: Sequence[tuple[str, torch.Tensor]], x_start: torch.Tensor,
            q: Optional[torch.Tensor] = None) -> Proposal:
     """Chains under row 0, in order ((source, tokens [K]) each; empty ones dropped; none: a plain
-    step) -> their Proposal. One chain verifies causally, several as branches (engine.fork's cached
-    shape: no host copy). `q` [K, V]: the draws of a chain alone (sampling verifies one chain)."""
+    step) -> their Proposal. One chain verifies causally, several as branches (engine.verify_shape's
+    cached shape: no host copy). `q` [K, V]: the draws of a chain alone (sampling verifies one chain)."""
     pieces = [(source, tokens) for source, tokens in pieces if tokens.numel()]
     parts, first = [], 1
     for source, tokens in pieces:

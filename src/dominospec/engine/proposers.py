@@ -18,6 +18,16 @@ three things and never looks at the mode:
   the best n nodes (`choose_nodes`), a lookup beside it as in `DraftChains`.
 Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
 generation alone.
+
+A branching round (greedy) verifies several proposals for the same positions as branches of one
+forward under row 0 (engine.verify_shape.branch_tree), ordered: the draft's (its best first token
+first), then the lookup. When the draft's best first guess is wrong its second or third often is,
+and the head continues each branch from its own first token; lookups and the draft win on different
+stretches (a lookup on text that repeats the prompt or itself, the draft elsewhere). Acceptance
+(engine.accept) walks the branches like any tree: the one accepted furthest wins, a tie going to the
+earlier (the first draft branch's rows are already in place), and the commit moves the winner's rows
+into place. Under sampling, several proposals for one position would need multi-draft rejection
+over their q, which the engine does not do: a sampled round verifies one chain.
 """
 
 from __future__ import annotations
@@ -184,7 +194,7 @@ class DraftChains(Proposer):
         parts, drafts = verdict.proposal.parts, verdict.proposal.of("draft")
         W, K, L = len(drafts), drafts[0].rows if drafts else 0, verdict.proposal.count("lookup")
         per_branch = [len(verdict.path_in(part)) for part in drafts]
-        if len(parts) > 1:  # branches beside each other (engine.fork): the one accepted furthest won
+        if len(parts) > 1:  # branches beside each other (a branching round): the one accepted furthest won
             won = parts.index(verdict.winner())
             n_chain, n_draft = per_branch[0], max(per_branch)
             rank = won + 1 if won < W and n_draft else 0

@@ -31,13 +31,27 @@ from dominospec.engine.verdict import Verdict
 
 
 class RoundState:
-    """Per-generation runners: target KV, draft block (its context), features not yet appended to it, n-gram index."""
+    """Per-generation runners: target KV, draft block (its context), features not yet appended to it,
+    the context's n-gram index (prompt lookups, engine.ngram) and the rounds' phase clock (engine.clock;
+    `events`: the engine's pool of CUDA events)."""
 
-    def __init__(self, kv: Any, drafter: Any, clock: PhaseClock, device: torch.device):
+    def __init__(self, kv: Any, drafter: Any, device: torch.device, events: Optional[list] = None):
         self.kv, self.drafter, self.device = kv, drafter, device  # engine.runners' pair
         self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
-        self.index: Optional[NgramIndex] = None
-        self.clock = clock  # the rounds' phase times (engine.clock)
+        self.index: Optional[NgramIndex] = None  # None: no prompt lookups this generation
+        self.prompt_length = 0
+        self.clock = PhaseClock(device, events)  # the rounds' phase times
+
+    def look_up(self, prompt: list[int], ngram_min: int, ngram_max: int) -> None:
+        """Prompt lookups run this generation: the index of the prompt's n-grams (`catch_up` adds the answer's)."""
+        self.index = NgramIndex(ngram_min, ngram_max)
+        self.index.extend(prompt)
+        self.prompt_length = len(prompt)
+
+    def catch_up(self, tokens: list[int]) -> None:
+        """The committed tokens `tokens` (after the prompt) -> the n-gram index takes those it has not seen."""
+        if self.index is not None:
+            self.index.extend(tokens[len(self.index.tokens) - self.prompt_length:])
 
     def take_pending(self) -> Optional[torch.Tensor]:
         """Pending feature rows -> one tensor [1, S, n*H] (None when there are none), emptied."""

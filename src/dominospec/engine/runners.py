@@ -1,6 +1,8 @@
 """The runners one engine decodes on, chosen once: dynamic caches, static caches (CUDA graphs on a
 GPU, transformers' forward), or the lean decoder (engine.lean_decoder, its own caches and kernels).
 
+`static_caches(params)` -> (static caches, CUDA graphs): what `engine.cuda_graphs` gives on this
+machine, decided before the draft path, whose rollout and tree graphs follow it too.
 `EngineRunners.pair(rows)` -> (target KV runner, draft block runner or None), reset, for a
 generation of at most `rows` positions:
 - static caches (`engine.cuda_graphs` static | on) when `rows` fit `graph_capacity`: the smallest
@@ -8,23 +10,44 @@ generation of at most `rows` positions:
 - dynamic caches otherwise (a longer generation, or `cuda_graphs: off`).
 The lean decoder (`engine.lean_target`) replaces transformers' forward on the static caches: "on"
 insists (an error names what does not fit), "auto" takes it on CUDA where the target is supported.
+`capture` runs every shape of a bucket once beforehand (the verify, the draft block, the draft's
+rollouts and tree), and `graph_failures` names the shapes whose capture failed, all of them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from dominospec.config import EngineParams
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.fork import MAX_TREE_ROWS
 from dominospec.engine.lean_decoder import lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraftBlock, lean_draft
 from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
 
+if TYPE_CHECKING:
+    from dominospec.engine.draft_path import DraftPath
+
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
+
+
+def static_caches(cfg: EngineParams) -> tuple[bool, bool]:
+    """engine.cuda_graphs -> (static caches, CUDA graphs replayed on them) on this machine: `on` both
+    (CUDA only), `auto` both where CUDA is, `static` the caches with eager forwards (any device),
+    `off` neither."""
+    if cfg.graph_capacity < 16:
+        raise UserError(f"engine.graph_capacity must be >= 16 rows, got {cfg.graph_capacity}")
+    if cfg.cuda_graphs == "on" and not torch.cuda.is_available():
+        raise UserError("engine.cuda_graphs: on needs a CUDA GPU; set engine.cuda_graphs: auto or off on this machine")
+    if cfg.cuda_graphs == "static":
+        return True, False
+    graphs = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
+    return graphs, graphs
 
 
 def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
@@ -41,17 +64,22 @@ def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
 
 class EngineRunners:
     """One engine's runners (module docstring). `max_rows`: the widest forward after the prompt (the
-    verify of x_start and a round's proposal, or the draft block); `draft`: the draft path's model
-    (None without a draft) with its LM head, the block's MASK embeddings and the target layers it reads."""
+    verify of x_start and a round's proposal, or the draft block); `static`, `graphs`: `static_caches`;
+    `path`: the draft as the engine runs it (engine.draft_path; None without a draft), whose model,
+    LM head, MASK embeddings and target layers the draft block runners take."""
 
-    def __init__(self, model: Any, params: Any, max_rows: int, device: torch.device, static: bool, graphs: bool,
-                 packed: bool, draft: Any = None, draft_lm_head: Any = None, embed_tokens: Any = None,
-                 mask_embeds: Optional[torch.Tensor] = None, layer_ids: tuple[int, ...] = ()):
+    def __init__(self, model: Any, params: EngineParams, max_rows: int, device: torch.device, static: bool,
+                 graphs: bool, packed: bool, embed_tokens: Any = None, path: Optional["DraftPath"] = None):
         self.model, self.params, self.max_rows, self.device = model, params, max_rows, device
         self.static, self.graphs = static, graphs
-        self.draft, self.draft_lm_head = draft, draft_lm_head
-        self.embed_tokens, self.mask_embeds = embed_tokens, mask_embeds
-        self.layer_ids = list(layer_ids)
+        self.embed_tokens = embed_tokens
+        self.draft = self.draft_lm_head = self.mask_embeds = self.head = self.grower = None
+        self.layer_ids: list[int] = []
+        self.block_size = 0
+        if path is not None:
+            self.draft, self.draft_lm_head, self.mask_embeds = path.model, path.lm_head, path.mask_embeds
+            self.head, self.grower = path.head, path.grower  # their rollouts' graphs: `capture`, `graph_failures`
+            self.layer_ids, self.block_size = list(path.layer_ids), path.block_size
         self.buckets: dict[int, tuple] = {}  # capacity -> (target runner, draft runner or None), built on first use
         self.last: tuple = (None, None)  # the pair the current (or last) generation runs on
         self.lean = self.lean_draft = None
@@ -115,11 +143,52 @@ class EngineRunners:
                                        capacity, graphs=self.graphs)
         return kv, drafter
 
-    def failures(self) -> dict[str, str]:
+    @torch.inference_mode()
+    def capture(self, rows: int, num_draft: int, width: int) -> None:
+        """Run every shape a generation of at most `rows` positions can replay once, on its static
+        runners: the verify of each T rows, the draft block of each S appended rows, the draft's
+        rollout of each K <= `num_draft` (and its W <= `width` first guesses, or its tree). Their CUDA
+        graphs are then captured (and the kernels compiled) before the first request, not inside a
+        timed one. A no-op on the dynamic caches."""
+        if not self.fits_static(rows):
+            return
+        kv, drafter = self.pair(rows)
+        ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
+        _, features = kv.forward(ids[:, :2], keep=1)
+        for T in kv.buckets:
+            kv.forward(ids[:, :T], keep=T)
+            kv.crop(2)
+        if drafter is None:
+            return
+        drafter.extend(features[:, :1])
+        x_start = ids[0, :1]
+        for S in range(self.block_size + 1):
+            z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
+                                           self.block_size)
+            drafter.crop(1)
+        for K in range(1, num_draft + 1):
+            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
+            for W in range(2, width + 1):
+                self.head.branches(z[:K], base_logits[:K], x_start, W)
+            if self.grower is not None:
+                self.grower.grow(z[:K], base_logits[:K], x_start)
+
+    def capture_all(self, num_draft: int, width: int) -> None:
+        """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
+        (a server's start-up). A no-op without graphs."""
+        if self.static and self.graphs:
+            for capacity in self.capacities():
+                self.capture(capacity, num_draft, width)
+
+    def graph_failures(self) -> dict[str, str]:
         """Shapes whose CUDA-graph capture failed (they run eagerly) -> the error, by runner, capacity and shape."""
         failures = {}
         for capacity, pair in self.buckets.items():
             for name, runner in zip(("target", "draft"), pair):
                 if runner is not None:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
+        if self.head is not None and self.head.graphs is not None:
+            failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
+        if self.grower is not None:
+            failures.update({f"tree build {key}": err for key, err in self.grower.graphs.failures.items()})
         return failures

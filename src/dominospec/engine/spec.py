@@ -15,9 +15,10 @@ that instead, or, with `ngram_fork` (greedy), beside the draft; with `engine.tre
 and `width` W > 1 (greedy) the draft's W best first tokens are verified as W chains (engine.proposers).
 
 The mode picks a proposer once (engine.proposers); every round is the same (engine.round): plan,
-draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. The runners
+draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. The draft is put
+on the draft path once (engine.draft_path: dtype, packing, its head and tree), and the runners
 (engine.runners) are chosen once too: dynamic or static caches, transformers' forward or the lean
-decoder. Invariant between rounds: target KV length == draft context + pending features ==
+decoder, with their CUDA graphs. Invariant between rounds: target KV length == draft context + pending features ==
 prompt + emitted - 1; x_start, the last committed token, has no target KV yet.
 
 `num_draft` = K_max, the draft tokens verified per round, 1..B (None: B-1; in `ngram`
@@ -27,36 +28,28 @@ measured on the first prompt (`calibrate`) and the acceptance of the generation'
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from dominospec.config import EngineParams
-from dominospec.engine.clock import PhaseClock
-from dominospec.engine.configure import head_kernel, static_caches
 from dominospec.engine.cost import measure_round_cost
 from dominospec.engine.detok import IncrementalDetokenizer
-from dominospec.engine.domino_tree import MAX_TREE_NODES, TreeGrower
-from dominospec.engine.draft_head import draft_head
-from dominospec.engine.loading import check_draft_matches
-from dominospec.engine.ngram import NgramIndex
-from dominospec.engine.packed import linear_for, pack_linears
+from dominospec.engine.draft_path import DraftPath, load_draft_path
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.proposers import DraftChains, DraftTree, LookupSteps, PlainSteps, Proposer
 from dominospec.engine.round import RoundState, play_round
-from dominospec.engine.runners import EngineRunners
+from dominospec.engine.runners import EngineRunners, static_caches
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import Generation, GenerationStats
 from dominospec.engine.stops import admit, cut_at_stop_string, stop_token_ids
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
-from dominospec.target import DTYPES, Target
+from dominospec.target import Target
 
 MODES = ("ar", "ngram", "dflash", "domino", "dominotree")
 DRAFT_MODES = ("dflash", "domino", "dominotree")
-HEAD_MODES = ("domino", "dominotree")  # the modes that run the Domino head
 
 
 class SpecEngine:
@@ -76,14 +69,12 @@ class SpecEngine:
         self.mode, self.target, self.model, self.params = mode, target, target.model, params
         self.packed = params.linear == "packed"  # the draft path's linears pre-packed for oneDNN (engine.packed)
         self.static_cache, self.cuda_graphs = static_caches(params)  # fixed-size caches; CUDA graphs replayed on them
-        self.head_kernel = head_kernel(params.head_kernel)  # checked: triton runs here
         self.device = target.device
         self.dtype = target.embed_tokens.weight.dtype
         self.max_positions = int(self.model.config.max_position_embeddings)
         self.stop_ids = frozenset(stop_token_ids(target.tokenizer, self.model))
-        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
-        self.draft, self.block_size, self.layer_ids, self.mask_embeds = None, 1, [], None
-        self.draft_dtype, self.draft_lm_head = self.dtype, None
+        self.path: Optional[DraftPath] = None  # the draft as this engine runs it (engine.draft_path)
+        self.draft, self.block_size, self.draft_dtype = None, 1, self.dtype
         self.head, self.grower = None, None  # the draft's proposal (engine.draft_head), DominoTree's build
         self.auto = num_draft == "auto"
         first_token = mode in ("dflash", "domino") and params.tree.shape == "first_token"
@@ -93,7 +84,9 @@ class SpecEngine:
         if params.tree.width < 1:
             raise UserError(f"engine.tree.width must be >= 1 (1 = a chain), got {params.tree.width}")
         if mode in DRAFT_MODES:
-            self._load_draft(draft, mode, params)
+            self.path = load_draft_path(draft, target, mode, params, self.static_cache, self.cuda_graphs)
+            self.draft, self.block_size, self.draft_dtype = self.path.model, self.path.block_size, self.path.dtype
+            self.head, self.grower = self.path.head, self.path.grower
         elif mode == "ngram":
             self.block_size = params.ngram_num_draft + 1
         self.num_draft = self._k_max(num_draft)
@@ -101,41 +94,7 @@ class SpecEngine:
                                                                       self.draft is not None else 0)
         self.proposer = self._proposer(mode)
         self.runners = EngineRunners(self.model, params, max(self.block_size, self.max_verify) + 1, self.device,
-                                     self.static_cache, self.cuda_graphs, self.packed, self.draft, self.draft_lm_head,
-                                     self.embed_tokens, self.mask_embeds, tuple(self.layer_ids))
-
-    def _load_draft(self, draft: Optional[DFlashDraftModel], mode: str, params: EngineParams) -> None:
-        """The draft, checked against the target and the mode, on the draft path (dtype, packing)."""
-        if draft is None:
-            raise UserError(f"mode {mode!r} needs a draft model")
-        check_draft_matches(draft.config, self.target)
-        if mode in HEAD_MODES and not draft.config.use_domino_head:
-            raise UserError(f"mode {mode!r} needs a draft trained with the Domino head "
-                            "(config.use_domino_head is false)")
-        resolved = torch.empty(0, device=self.device).device  # "cuda" -> "cuda:0"
-        if draft.fc.weight.device != resolved:
-            raise UserError(f"draft is on {draft.fc.weight.device}, target on {self.device}: move it")
-        self.draft_dtype = DTYPES[params.draft_dtype] if params.draft_dtype else self.dtype
-        self.draft, self.draft_lm_head = self._draft_path(draft.eval())
-        self.block_size = int(draft.config.block_size)
-        if self.block_size < 2:
-            raise UserError(f"draft block_size must be >= 2, got {self.block_size}")
-        self.head = draft_head(self.draft, self.embed_tokens, mode, self.head_kernel, params.candidate_pool,
-                               self.static_cache, self.cuda_graphs, self.block_size, self.draft_dtype, self.device)
-        if mode == "dominotree":
-            if params.tree.nodes < 1 or params.tree.children < 1:
-                raise UserError(f"engine.tree.nodes and engine.tree.children must be >= 1, got "
-                                f"{params.tree.nodes} and {params.tree.children}")
-            if params.tree.nodes > MAX_TREE_NODES:
-                raise UserError(f"engine.tree.nodes is at most {MAX_TREE_NODES} (a verify of 1 + nodes + lookup "
-                                f"rows), got {params.tree.nodes}")
-            self.grower = TreeGrower(self.draft, self.embed_tokens, params.tree.nodes, params.tree.children,
-                                     params.candidate_pool, self.block_size, self.draft_lm_head.weight.shape[0],
-                                     self.draft_dtype, self.device, graphs=self.cuda_graphs, head_kernel=self.head_kernel)
-        self.layer_ids = list(draft.config.target_layer_ids)
-        mask = torch.full((self.block_size - 1,), int(draft.config.mask_token_id), device=self.device)
-        with torch.inference_mode():
-            self.mask_embeds = self.embed_tokens(mask).to(self.draft_dtype)  # [B-1, H], the block's MASK slots
+                                     self.static_cache, self.cuda_graphs, self.packed, target.embed_tokens, self.path)
 
     def _k_max(self, num_draft: Union[int, str, None]) -> int:
         """K_max: `num_draft`, or B - 1 (ngram: ngram_num_draft) when None or auto; 0 in `ar`."""
@@ -170,18 +129,6 @@ class SpecEngine:
     @cost.setter
     def cost(self, cost: Optional[RoundCost]) -> None:
         self.proposer.cost = cost
-
-    def _draft_path(self, draft: DFlashDraftModel):
-        """The draft (and the LM head giving its base logits) in the draft path's dtype, packed when asked.
-        A copy when anything changes: the caller's draft is shared by other engines."""
-        if self.draft_dtype == draft.fc.weight.dtype and not self.packed:
-            return draft, self.lm_head
-        draft = copy.deepcopy(draft).to(self.draft_dtype)
-        if self.device.type == "cpu" and self.head_kernel != "triton":
-            draft.prefix_gru.float()  # the GRU cell in fp32 on CPU: faster than torch's bf16 mm there, as exact
-        if self.packed:
-            pack_linears(draft)
-        return draft, linear_for(self.lm_head, self.draft_dtype, self.packed)
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -222,7 +169,7 @@ class SpecEngine:
 
         t_begin = self.now()
         rows = T + budget + self.runners.max_rows
-        state = RoundState(*self.runners.pair(rows), PhaseClock(self.device, self._events), self.device)
+        state = RoundState(*self.runners.pair(rows), self.device, self._events)
         stats.static_cache = self.runners.fits_static(rows)
         logits, features = state.kv.forward(prompt[None], keep=1)
         first = int(sampling.sample(logits[0, -1:], generator)[0])
@@ -230,8 +177,7 @@ class SpecEngine:
             state.pending.append(features)
         stats.prefill_s = self.now() - t_begin
         if self.mode == "ngram" or (drafting and self.params.ngram_assist):
-            state.index = NgramIndex(self.params.ngram_min, self.params.ngram_max)
-            state.index.extend(prompt.tolist())
+            state.look_up(prompt.tolist(), self.params.ngram_min, self.params.ngram_max)
 
         tokens: list[int] = []
         new, reason = admit(tokens, [first], budget, self.stop_ids)
@@ -239,8 +185,7 @@ class SpecEngine:
         detok = IncrementalDetokenizer(self._decode) if stops else None
         streamed = 0  # tokens already handed to on_tokens
         while True:
-            if state.index is not None:
-                state.index.extend(tokens[len(state.index.tokens) - T:])
+            state.catch_up(tokens)
             if detok is not None:
                 clean, checked = detok.read_offset, len(detok.text)  # tokens[:clean] hold no stop string
                 detok.push(tokens[len(detok.tokens):])
@@ -276,41 +221,15 @@ class SpecEngine:
             text = text[: cut_at_stop_string(text, stops)]
         return Generation(token_ids=tokens, text=text, finish_reason=reason, stats=stats)
 
-    @torch.inference_mode()
     def capture(self, rows: int) -> None:
-        """Run every shape a generation of at most `rows` positions can replay once, on its static
-        runners: the verify of each T rows, the draft block of each S appended rows, the greedy
-        rollout of each K (and W). Their CUDA graphs are then captured (and the kernels compiled)
-        before the first request, not inside a timed one. A no-op on the dynamic caches."""
-        if not self.runners.fits_static(rows):
-            return
-        kv, drafter = self.runners.pair(rows)
-        ids = torch.zeros(1, kv.max_rows, dtype=torch.long, device=self.device)  # any ids: only the shapes matter
-        _, features = kv.forward(ids[:, :2], keep=1)
-        for T in kv.buckets:
-            kv.forward(ids[:, :T], keep=T)
-            kv.crop(2)
-        if drafter is None:
-            return
-        drafter.extend(features[:, :1])
-        x_start = ids[0, :1]
-        for S in range(self.block_size + 1):
-            z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
-                                           self.block_size)
-            drafter.crop(1)
-        for K in range(1, self.num_draft + 1):
-            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
-            for W in range(2, self.width + 1):
-                self.head.branches(z[:K], base_logits[:K], x_start, W)
-            if self.grower is not None:
-                self.grower.grow(z[:K], base_logits[:K], x_start)
+        """Run every shape a generation of at most `rows` positions can replay once, so that its CUDA
+        graphs are captured before the first request (engine.runners.EngineRunners.capture)."""
+        self.runners.capture(rows, self.num_draft, self.width)
 
     def capture_all(self) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
         (a server's start-up). A no-op without graphs."""
-        if self.runners.static and self.runners.graphs:
-            for capacity in self.runners.capacities():
-                self.capture(capacity)
+        self.runners.capture_all(self.num_draft, self.width)
 
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
         """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
@@ -324,12 +243,7 @@ class SpecEngine:
 
     def graph_failures(self) -> dict[str, str]:
         """Shapes whose CUDA-graph capture failed (they run eagerly) -> the error, by runner, capacity and shape."""
-        failures = self.runners.failures()
-        if self.head is not None and self.head.graphs is not None:
-            failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
-        if self.grower is not None:
-            failures.update({f"tree build {key}": err for key, err in self.grower.graphs.failures.items()})
-        return failures
+        return self.runners.graph_failures()
 
     def _trim_to_stop_string(self, tokens: list[int], clean: int, stops: tuple[str, ...]) -> list[int]:
         """Shortest prefix of `tokens` (longer than `clean`, whose text holds no stop string) whose text holds one."""

@@ -22,7 +22,7 @@ class GenerationStats:
     rounds: int = 0  # target forwards after the prefill: verify rounds (AR steps in `ar`)
     draft_rounds: int = 0  # rounds that ran the drafter (draft forward, or a prompt-lookup hit)
     lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
-    fork_rounds: int = 0  # ngram_fork: rounds that verified a lookup beside the draft's chain (engine.fork)
+    fork_rounds: int = 0  # ngram_fork: rounds that verified a lookup beside the draft's chain (engine.proposers)
     fork_lookup_wins: int = 0  # of those, rounds whose lookup branch accepted more than the chain
     tree_rounds: int = 0  # a first-token tree of width > 1: rounds that verified more than one of the draft's first guesses (engine.draft_head)
     tree_side_wins: int = 0  # of those, rounds won by a branch other than the draft's best guess

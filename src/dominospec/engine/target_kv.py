@@ -4,7 +4,7 @@ Two interchangeable runners, both `forward(ids [1, T], keep, tree=None) -> (logi
 features [1, T, n*H] or None)`, the rows appended after the `length` cached ones, `select(rows)`
 to move the last forward's rows `rows` into its first slots (a fork round's winning branch),
 `crop(n)` to keep positions 0..n-1, `reset()` for a new generation. Without a tree the rows are
-one chain at positions `length .. length+T-1`; a `Tree` (engine.fork) gives each row its depth
+one chain at positions `length .. length+T-1`; a `Tree` (engine.verify_shape) gives each row its depth
 (position length + depth) and the rows of this forward it sees, besides every cached one.
 
 - `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
@@ -29,9 +29,9 @@ import torch
 from transformers import DynamicCache
 
 from dominospec.engine.features import FeatureTap
-from dominospec.engine.fork import Tree, chain_tree
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length, move_rows
+from dominospec.engine.verify_shape import Tree, chain_tree
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 

@@ -1,36 +1,24 @@
-"""Branching rounds: several proposals for the same positions, verified together in one target forward.
+"""The shape of a verify forward: each row's depth and the rows it sees (`Tree`).
 
-A round may have more than one proposal for what follows x_start:
-- the draft's W most likely first tokens (engine.tree.width), each continued by the draft (engine.draft_head):
-  when the draft's best guess is wrong, its second or third often is, and the head continues each
-  branch from its own first token;
-- a prompt lookup (`ngram_fork`): lookups and the draft win on different stretches, a lookup on text
-  that repeats the prompt or itself (code, lists, quotes), the draft elsewhere.
-It does not have to choose: it verifies a tree of branches that share the round's first row, and
-keeps the one the target accepts further. On a CPU a verify of 11 rows costs about what one of 4
-does (the forward streams the same weights), and on a GPU a small target's forward is launch-bound,
-so the extra branches are nearly free; auto-K (engine.policy.choose_tree) decides whether they are.
+A verify runs T rows in one target forward: row 0 is x_start at position `start`, every other row
+a proposed token at position start + its depth. A row attends to the committed context, to itself
+and to the rows its tree lets it see, its ancestors; the runners (engine.target_kv,
+engine.lean_kv) take the shape as it is, the round (engine.proposal) builds it.
 
-The verify rows, T = 1 + sum(lengths) (`branch_tree`), branch b of length K_b at rows
-first_b .. first_b + K_b - 1 (first_0 = 1, first_{b+1} = first_b + K_b):
+- one chain (`chain_tree`): row i at depth i, seeing rows 0..i (the causal mask);
+- branches under row 0 (`branch_tree`, a branching round: engine.proposers), T = 1 + sum(lengths),
+  branch b of length K_b at rows first_b .. first_b + K_b - 1 (first_0 = 1, first_{b+1} = first_b + K_b):
 
-    row 0                   x_start               position start
-    rows of branch b        p_1 .. p_{K_b}        positions start+1 .. start+K_b
+      row 0                   x_start               position start
+      rows of branch b        p_1 .. p_{K_b}        positions start+1 .. start+K_b
 
-Each row attends to the committed context, to row 0, and to the rows before it in its own
-branch, never to another branch: each branch's logits and features are those a chain of its own
-would get (up to the rounding of a wider forward). A chain is the tree of one branch
-(`chain_tree`). The engine orders the branches: the draft's (its best first token first), then the
-lookup.
+  each row sees row 0 and the rows before it in its own branch, never another branch: each
+  branch's logits and features are those a chain of its own would get (up to the rounding of a
+  wider forward);
+- a DominoTree's nodes (engine.domino_tree), which write their own bitmask (`pack_bits`).
 
-Greedy acceptance (engine.accept) walks the branches like any tree: the target's own greedy
-tokens are committed, so the branches agree on every token two of them accept, and the one that
-accepts most wins (a tie goes to the earlier branch: the first draft branch's rows are already in
-place). The target KV and the features then keep row 0 and the winner's rows: the runner moves
-them into place (`select`) before the crop. Greedy only: under sampling, several proposals for one
-position need multi-draft rejection over their q, which the engine does not do for the draft's
-chains; a sampled round verifies one chain (DominoTree's deterministic children are point masses,
-engine.accept).
+The lean verify reads visibility as a bitmask a row (`Tree.bits`, int64 words), up to
+MAX_TREE_ROWS rows.
 """
 
 from __future__ import annotations
