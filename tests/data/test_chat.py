@@ -158,7 +158,8 @@ def test_qwen3_reasoning_is_supervised_on_the_last_turn_and_rejected_where_the_t
 
 
 def test_qwen3_an_assistant_message_after_an_assistant_message_is_a_named_skip(qwen3_tokenizer):
-    """Its prompt (the previous reply as last, with a think block) is not what the conversation shows (without)."""
+    """Its prompt (the previous reply as last, with a think block) is not what the conversation shows (without):
+    which is why prepare joins a reply that follows a reply to it (conversations.normalize_record)."""
     messages = [*KNOCK_KNOCK[:2], {"role": "assistant", "content": "Anyone?"}]
     (result,) = render_batch(qwen3_tokenizer, [messages], 1024, special_token_ids(qwen3_tokenizer), THINKING_OFF)
     assert isinstance(result, TemplateError) and result.reason == "template_rewrites_prompt"
