@@ -114,14 +114,15 @@ def pack(args: argparse.Namespace) -> None:
         out = []
         for row in data[split].select(range(min(n, len(data[split])))):
             messages = first_turn(row["messages"])
-            ids = render(tok, messages) if messages else []
+            ids = render(tok, messages, params.target.chat_template_kwargs) if messages else []
             if 0 < len(ids) <= args.max_prompt_tokens:
                 out.append(torch.tensor(ids, dtype=torch.int32))
         return out
 
     orig = data["train"].select(range(min(args.orig, len(data["train"]))))
     suites = {name: [torch.tensor(p) for p in
-                     load_suite(name, tok, params.paths.prepared, args.suite_prompts, args.max_prompt_tokens).prompts]
+                     load_suite(name, tok, params.target.chat_template_kwargs, params.paths.prepared, args.suite_prompts,
+                                args.max_prompt_tokens).prompts]
               for name in ("sharegpt", "humaneval")}
     packed = {
         "train_prompts": flatten(prompts("train", args.train)),

@@ -70,7 +70,8 @@ def main() -> None:
         for dtype, batch, linear, group in configs + ([("hf_generate", args.hf_generate, "torch", 0)] if args.hf_generate else []):
             cfg = dataclasses.replace(params.regenerate, max_new_tokens=args.max_new_tokens, batch_size=batch,
                                       dtype=dtype if dtype != "hf_generate" else "float32")  # fmt: skip
-            chunks = length_sorted_chunks(target.tokenizer, train, count, batch)
+            template_kwargs = params.target.chat_template_kwargs
+            chunks = length_sorted_chunks(target.tokenizer, train, count, batch, template_kwargs)
             kv_batch.GROUP_SLOTS = group or default_group
             tokens, tick = 0, time.perf_counter()
             for rows in chunks:
@@ -79,7 +80,8 @@ def main() -> None:
                     tokens += hf_generate_rewrite(target, conversations, cfg, max_length)
                 else:
                     run_target = dataclasses.replace(target, model=models[dtype, linear])
-                    done = rewrite_conversations(run_target, conversations, cfg, max_length, torch.Generator().manual_seed(0))
+                    done = rewrite_conversations(run_target, conversations, cfg, max_length, template_kwargs,
+                                                 torch.Generator().manual_seed(0))
                     tokens += sum(r.generated_tokens for r in done)
             seconds = time.perf_counter() - tick
             name = f"{dtype}:{batch}" if dtype == "hf_generate" else f"{dtype}:{batch}:{linear}:{'all' if group > 4096 else group}"
@@ -112,7 +114,7 @@ def hf_generate_rewrite(target, conversations, cfg, max_length) -> int:
                 cursor[i] += 1
             if cursor[i] == len(source):
                 continue
-            ids = tokenizer(render_text(tokenizer, histories[i], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            ids = tokenizer(render_text(tokenizer, histories[i], True, {}), add_special_tokens=False)["input_ids"]
             budget = min(cfg.max_new_tokens, max_length - len(ids))
             if budget > 0:
                 prompts.append(ids), budgets.append(budget), still.append(i)

@@ -30,7 +30,8 @@ import torch
 from dominospec.bench import load_draft, load_target, parser, setup
 
 
-def first_turns(prepared: str, split: str, limit: int, tokenizer, max_prompt_tokens: int) -> list[list[int]]:
+def first_turns(prepared: str, split: str, limit: int, tokenizer, chat_template_kwargs,
+                max_prompt_tokens: int) -> list[list[int]]:
     """A prepared split -> the rendered first user turn of its first conversations, at most `limit`
     (as evaluate's `sharegpt` suite renders the test split's)."""
     from dominospec.data.chat import render_prompt as render
@@ -38,7 +39,7 @@ def first_turns(prepared: str, split: str, limit: int, tokenizer, max_prompt_tok
 
     prompts = []
     for messages in sharegpt_conversations(prepared, split):
-        ids = render(tokenizer, messages)
+        ids = render(tokenizer, messages, chat_template_kwargs)
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
         if len(prompts) == limit:
@@ -96,7 +97,8 @@ def main() -> None:
     tok = target.tokenizer
     rows = []
     for name in ("val", "test"):
-        prompts = first_turns(params.paths.prepared, name, args.prompts, tok, params.evaluate.max_prompt_tokens)
+        prompts = first_turns(params.paths.prepared, name, args.prompts, tok, params.target.chat_template_kwargs,
+                              params.evaluate.max_prompt_tokens)
         tick = time.perf_counter()
         answers = answer_all(target, prompts, args.new_tokens)
         seconds = time.perf_counter() - tick

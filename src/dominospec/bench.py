@@ -140,7 +140,7 @@ def suites(params: Any, tokenizer: Any, prompts: int, specs: Optional[list[str]]
     from dominospec.eval.prompts import load_suite
 
     for spec in specs or params.evaluate.suites:
-        yield load_suite(spec, tokenizer, params.paths.prepared, prompts,
+        yield load_suite(spec, tokenizer, params.target.chat_template_kwargs, params.paths.prepared, prompts,
                          max_prompt_tokens or params.evaluate.max_prompt_tokens)
 
 

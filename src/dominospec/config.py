@@ -68,6 +68,9 @@ class TargetParams:
     device: str  # "auto" | "cpu" | "cuda" | "cuda:N"
     trust_remote_code: bool
     mask_token_id: Optional[int]  # None: the target's own mask token, else an unused special token
+    # Variables of the chat template wherever a prompt is rendered for the target to answer (prepare, regenerate,
+    # evaluate, serve): the form users run it in, e.g. Qwen3's {enable_thinking: false}. A template ignores unknown ones.
+    chat_template_kwargs: dict[str, Union[bool, int, str, float]]
 
 
 @dataclass(frozen=True)

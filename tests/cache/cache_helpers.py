@@ -53,7 +53,7 @@ def target_params(target_dir: Path):
 
     return TargetParams(
         model=str(target_dir), gguf_file=None, revision=None, dtype="float32", device="cpu",
-        trust_remote_code=False, mask_token_id=None,
+        trust_remote_code=False, mask_token_id=None, chat_template_kwargs={},
     )
 
 

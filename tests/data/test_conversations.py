@@ -7,9 +7,11 @@ import hashlib
 from collections import Counter
 
 import pytest
-from data_helpers import sample_records
+from data_helpers import qwen3_tokenizer, qwen3_tokenizer_dir, sample_records  # noqa: F401
 
-from dominospec.data.conversations import ROLES, assign_split, first_prompt, held_out, normalize_record, normalize_records
+from dominospec.data.conversations import (
+    ROLES, Skip, assign_split, first_prompt, held_out, normalize_record, normalize_records,
+)
 
 
 def _by_id(conversations):
@@ -81,9 +83,10 @@ def test_malformed_record_is_skipped_under_its_reason(record, reason):
 def test_roles_map_onto_system_user_assistant():
     assert len(ROLES) == 9
     for raw_role, role in ROLES.items():
-        messages = [{"role": "user", "content": "q"}, {"from": raw_role.upper(), "value": "x"}, {"from": "gpt", "value": "a"}]
+        messages = [{"role": "user", "content": "q"}, {"from": raw_role.upper(), "value": "x"},
+                    {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a"}]
         conversation, _ = normalize_record({"conversations": messages})
-        assert [m["role"] for m in conversation["messages"]] == ["user", role, "assistant"], raw_role
+        assert [m["role"] for m in conversation["messages"]] == ["user", role, "user", "assistant"], raw_role
 
 
 def test_openai_text_parts_are_joined_and_whitespace_stripped():
@@ -170,3 +173,56 @@ def test_train_conversations_opening_with_a_scored_prompt_are_dropped():
     assert [c["id"] for c in kept] == ["t3", "t4", "t5", "x1", "x2", "v1"] and dropped == 3
     assert held_out([c for c in conversations if c["split"] == "train"]) == (
         [c for c in conversations if c["split"] == "train"], 0)  # nothing held out: nothing dropped
+
+
+def test_a_reply_after_a_reply_is_joined_to_it_and_counted():
+    record = {"id": "r", "conversations": [
+        {"from": "human", "value": "u1"}, {"from": "gpt", "value": "a1"}, {"from": "gpt", "value": "a2"},
+        {"from": "human", "value": "u2"}, {"from": "human", "value": "u3"}, {"from": "gpt", "value": "a3"},
+        {"from": "human", "value": "  "}, {"from": "gpt", "value": "a4"}, {"from": "gpt", "value": "a5"},
+    ]}  # fmt: skip
+    conversation, dropped = normalize_record(record)
+    assert conversation["messages"] == [
+        {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1\n\na2"},
+        {"role": "user", "content": "u2"}, {"role": "user", "content": "u3"},  # users in a row stay apart
+        {"role": "assistant", "content": "a3\n\na4\n\na5"},  # the empty user message between them is dropped first
+    ]  # fmt: skip
+    assert dropped == Counter({"joined_to_previous_reply": 3, "empty_message": 1})
+
+
+def test_sharegpts_replies_after_replies_are_joined_whole_and_render_under_qwen3(qwen3_tokenizer):
+    """The packaged ShareGPT: 19 conversations hold 24 replies that follow a reply; joined, each conversation
+    keeps every reply's text in order, and Qwen3's template (thinking off) renders all of them."""
+    from data_helpers import supervised_runs
+
+    from dominospec.data.chat import render_batch, special_token_ids
+    from dominospec.data.sources import read_source
+
+    records = read_source("sharegpt", hub_split="train").records
+    conversations, _, dropped = normalize_records(records)
+    assert dropped["joined_to_previous_reply"] == 24
+    joined, seen = [], set()
+    for record in records:  # as normalize_records: the first usable record of an id is kept
+        try:
+            c, _ = normalize_record(record)
+        except Skip:
+            continue
+        if c["id"] in seen:
+            continue
+        seen.add(c["id"])
+        said = [(ROLES[m["from"].lower()], m["value"].strip()) for m in record["conversations"] if m["value"].strip()]
+        first_user = next(i for i, (role, _) in enumerate(said) if role == "user")  # replies before it are dropped
+        originals = [text for role, text in said[first_user:] if role == "assistant"]
+        replies = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
+        assert "\n\n".join(replies) == "\n\n".join(originals)  # every reply's text, in order
+        if len(replies) < len(originals):
+            joined.append(c)
+        roles = [m["role"] for m in c["messages"]]
+        assert ("assistant", "assistant") not in zip(roles, roles[1:])
+    assert len(joined) == 19
+    messages = [c["messages"] for c in joined]
+    rendered = render_batch(qwen3_tokenizer, messages, 100_000, special_token_ids(qwen3_tokenizer),
+                            {"enable_thinking": False})
+    for m, r in zip(messages, rendered):
+        replies = [x["content"] + "<|im_end|>" for x in m if x["role"] == "assistant"]
+        assert [qwen3_tokenizer.decode(run) for run in supervised_runs(r.input_ids, r.loss_mask)] == replies

@@ -93,9 +93,10 @@ def test_prepare_metrics_account_for_every_record(prepared):
 
 
 def test_prepare_keeps_multi_turn_conversations_under_qwen3s_template(tmp_path, qwen3_tokenizer_dir, qwen3_tokenizer):
-    """Qwen3 renders the last reply after an empty think block and answered ones without: the sample's multi-turn
-    conversations are kept all the same, masked on exactly their replies; a reply right after a reply is skipped
-    by name (its prompt would show the previous reply's think block, the conversation does not)."""
+    """Qwen3 with thinking off (params/qwen3-8b.yaml) renders the last reply after an empty think block and answered
+    ones without: the sample's multi-turn conversations are kept all the same, masked on exactly their replies; a
+    reply right after a reply is joined to it (alone, its prompt would show the previous reply's think block, which
+    the conversation does not), and the joined reply is supervised whole."""
     target = tmp_path / "qwen3"  # the tokenizer and a config: all prepare reads of a target
     shutil.copytree(qwen3_tokenizer_dir, target)
     config = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}
@@ -105,14 +106,17 @@ def test_prepare_keeps_multi_turn_conversations_under_qwen3s_template(tmp_path, 
     source = tmp_path / "data.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in [*sample_records(), twice]))
     params = load_params(write_params(tmp_path / "p.yaml", tmp_path, prepare={"source": str(source)},
-                                      target={"model": str(target), "gguf_file": None}))  # fmt: skip
+                                      target={"model": str(target), "gguf_file": None,
+                                              "chat_template_kwargs": {"enable_thinking": False}}))  # fmt: skip
     prepare(params)
     splits, _ = read_dataset(params.paths.prepared)
     metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
     rows = [r for d in splits.values() for r in d]
-    assert sorted(r["id"] for r in rows) == sorted(KEPT)
-    assert metrics["skipped"] == {"empty_conversation": 1, "no_assistant_tokens": 1, "one_sided": 3,
-                                  "template_rewrites_prompt": 1}  # fmt: skip
+    assert sorted(r["id"] for r in rows) == sorted([*KEPT, "twice"])
+    assert metrics["skipped"] == {"empty_conversation": 1, "no_assistant_tokens": 1, "one_sided": 3}
+    assert metrics["dropped_messages"]["joined_to_previous_reply"] == 1
+    (joined,) = [r for r in rows if r["id"] == "twice"]
+    assert joined["messages"][1:] == [{"role": "assistant", "content": "2.\n\nOr 3."}]
     assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) == 4
     for row in rows:
         reference = qwen3_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "sharegpt_sample.json"
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8)  # Qwen3-8B's architecture and vocabulary, the sizes cut
+THINKING_OFF = {"enable_thinking": False}  # as params/qwen3-8b.yaml runs it
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def tiny_params(tmp: Path, target: Path):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["paths"] = {k: str(tmp / v) for k, v in raw["paths"].items()}
     raw["mlflow"].update(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}", artifact_location=str(tmp / "mlartifacts"))
-    raw["target"].update(model=str(target), gguf_file=None, device="cpu")
+    raw["target"].update(model=str(target), gguf_file=None, device="cpu", chat_template_kwargs=THINKING_OFF)
     raw["prepare"].update(source=str(FIXTURE), max_length=256, val_fraction=0.3, test_fraction=0.3, num_proc=1)
     raw["regenerate"].update(enabled=False)
     raw["cache"].update(num_feature_layers=2, max_train_conversations=None, max_val_conversations=None)
@@ -82,7 +83,7 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
     assert model.config.model_type == "qwen3" and not model.config.tie_word_embeddings
-    prompt = render_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}], THINKING_OFF)
     layers = [1, 4]
     hf = DynamicTargetKV(model, layers)
     lean = LeanTargetKV(LeanDecoder(model, DecoderOps.reference()), layers, capacity=64, max_rows=8, graphs=False)
@@ -97,3 +98,39 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
             assert b_logits.shape == (1, keep, 151936)
             torch.testing.assert_close(b_logits, a_logits, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(b_features, a_features, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_regenerated_replies_answer_the_thinking_off_prompt(target_dir, tmp_path):
+    """The target rewrites replies after the prompt users send it (the preset's enable_thinking: false, an empty
+    think block at the end): each first reply is plain greedy decoding from that prompt, computed here by
+    transformers; the rows keep the template's rendering and are masked on exactly the replies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dominospec.data.chat import render_prompt
+    from dominospec.data.dataset import read_dataset
+    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stages import STAGES, resolve
+
+    params = tiny_params(tmp_path, target_dir)
+    raw = yaml.safe_load(params.source.read_text())
+    raw["regenerate"].update(enabled=True, max_conversations=3, original_conversations=0, max_val_conversations=0,
+                             max_turns=1, max_new_tokens=6, batch_size=2, dtype="float32", linear="torch")
+    params.source.write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = load_params(params.source)
+    for stage in ("prepare", "regenerate"):
+        resolve(STAGES[stage])(params)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    stops = list(stop_token_ids(tokenizer, model))
+    rows = read_dataset(params.paths.regenerated)[0]["train"].select(range(3))
+    for row in rows:
+        user, reply = row["messages"]
+        prompt = render_prompt(tokenizer, [user], THINKING_OFF)
+        assert tokenizer.decode(prompt[-4:]) == "<think>\n\n</think>\n\n"
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=stops[0])
+        assert reply["content"] == tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+        assert row["input_ids"][: len(prompt)] == prompt  # the row shows the reply after that prompt
+        assert row["loss_mask"][len(prompt) - 1] == 0 and row["loss_mask"][len(prompt)] == 1

@@ -163,3 +163,16 @@ def test_percentile_interpolates_between_closest_ranks():
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)  # rank 0.99 * 4 = 3.96
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0) == 1.0 and percentile([1.0, 5.0], 100) == 5.0
     assert percentile([7.0], 99) == 7.0
+
+
+def test_requests_carry_the_targets_chat_template_kwargs_when_it_sets_any():
+    """The server must render the prompt the draft was trained on (Qwen3: thinking off); SmolLM2's requests
+    ({} in params.yaml) stay as they were."""
+    from dominospec.config import load_params
+    from dominospec.eval.served import request_body
+
+    cfg = load_params(REPO / "params.yaml").evaluate
+    messages = [{"role": "user", "content": "t5"}]
+    assert "chat_template_kwargs" not in request_body("m", messages, cfg, {}, 0, 8)
+    body = request_body("m", messages, cfg, {"enable_thinking": False}, 3, 8)
+    assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["seed"] == cfg.seed + 3

@@ -172,7 +172,7 @@ def _reference_rewrite(target, conversation, cfg, max_length):
         if message["role"] != "assistant":
             history.append(dict(message))
             continue
-        prompt = render_text(tokenizer, history, add_generation_prompt=True)
+        prompt = render_text(tokenizer, history, True, {})
         assert prompt.startswith(text)
         context = context + tokenizer(prompt[len(text) :], add_special_tokens=False)["input_ids"]
         budget = min(cfg.max_new_tokens, max_length - len(context))
@@ -196,7 +196,7 @@ def test_multi_turn_greedy_equals_full_recompute(tiny_target, batch_size, group_
     conversations, max_length = _conversations(), 160
     got = []
     for start in range(0, len(conversations), batch_size):
-        got += rewrite_conversations(tiny_target, conversations[start : start + batch_size], cfg, max_length)
+        got += rewrite_conversations(tiny_target, conversations[start : start + batch_size], cfg, max_length, {})
     for conversation, rewritten in zip(conversations, got):
         want = _reference_rewrite(tiny_target, conversation, cfg, max_length)
         assert [m["content"] for m in rewritten.messages if m["role"] == "assistant"] == want
@@ -213,21 +213,37 @@ def test_a_template_that_rewrites_history_restarts_the_conversation_in_its_batch
     of its batch keep their slots (and the slot it gave up is there to take again)."""
     cfg = dataclasses.replace(load_params(REPO / "params.yaml").regenerate, max_new_tokens=8, temperature=0.0,
                               dtype="float32")  # fmt: skip
-    turn_marked = lambda tok, msgs, add_generation_prompt=False: (  # noqa: E731
-        f"[{sum(m['role'] == 'assistant' for m in msgs)}]" + render_text(tok, msgs, add_generation_prompt))
+    turn_marked = lambda tok, msgs, add_generation_prompt, kwargs: (  # noqa: E731
+        f"[{sum(m['role'] == 'assistant' for m in msgs)}]" + render_text(tok, msgs, add_generation_prompt, kwargs))
     monkeypatch.setattr(replies, "render_text", turn_marked)
     conversations, max_length = _conversations(), 160
-    got = rewrite_conversations(tiny_target, conversations, cfg, max_length)
+    got = rewrite_conversations(tiny_target, conversations, cfg, max_length, {})
     tokenizer, stops = tiny_target.tokenizer, decode_policy(tiny_target, cfg).stop_ids
     for conversation, rewritten in zip(conversations, got):
         history = []
         for message in rewritten.messages:
             if message["role"] == "assistant":  # each reply: greedy from its own full rendering
-                ids = tokenizer(turn_marked(tokenizer, history, True), add_special_tokens=False)["input_ids"]
+                ids = tokenizer(turn_marked(tokenizer, history, True, {}), add_special_tokens=False)["input_ids"]
                 want, _, _ = _greedy_reference(tiny_target.model, ids, min(8, max_length - len(ids)), stops)
                 assert message["content"] == tokenizer.decode(want, skip_special_tokens=True)
             history.append(message)
     assert sum(r.assistant_turns for r in got) > len(conversations)  # later turns, hence restarts, ran
+
+
+def test_every_prompt_is_rendered_with_the_targets_chat_template_kwargs(tiny_target, monkeypatch):
+    """The replies are the target's answers to the prompts users send (params target.chat_template_kwargs)."""
+    cfg = dataclasses.replace(load_params(REPO / "params.yaml").regenerate, max_new_tokens=4, temperature=0.0,
+                              dtype="float32")  # fmt: skip
+    seen = []
+
+    def recording(tok, msgs, add_generation_prompt, kwargs):
+        seen.append((add_generation_prompt, dict(kwargs)))
+        return render_text(tok, msgs, add_generation_prompt, kwargs)
+
+    monkeypatch.setattr(replies, "render_text", recording)
+    got = rewrite_conversations(tiny_target, _conversations(), cfg, 160, {"enable_thinking": False})
+    assert sum(r.assistant_turns for r in got) > len(got)  # later turns rendered too
+    assert seen and all(call == (True, {"enable_thinking": False}) for call in seen)
 
 
 def test_loop_detector_keeps_one_copy_of_the_loop():

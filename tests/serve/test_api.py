@@ -49,7 +49,7 @@ def test_chat_is_lossless(client, target, reference):
     from dominospec.data.chat import render_prompt as render
 
     for messages in CHATS:
-        ids = render(target.tokenizer, messages)
+        ids = render(target.tokenizer, messages, {})
         expected = reference(ids, 24)
         answer = chat(client, messages, max_tokens=24).json()
         assert answer["object"] == "chat.completion" and answer["model"] == NAME

@@ -42,7 +42,7 @@ def test_greedy_chat_is_lossless_and_server_info_names_the_tree(server):
         nodes = load_params(server.params).engine.tree.nodes
         assert info["speculative_num_draft_tokens"] == nodes + 1
         for messages in CHATS:
-            ids = render(target.tokenizer, messages)
+            ids = render(target.tokenizer, messages, {})
             expected = ar.generate(ids, 24)
             answer = client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0,
                                                                 "max_tokens": 24}).json()

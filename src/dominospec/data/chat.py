@@ -2,29 +2,38 @@
 
 The mask marks the tokens the target itself produces when it answers: the content of every
 assistant message and the special token that closes its turn (SmolLM2: `<|im_end|>`, the
-end-of-turn token generation stops on). System and user turns, the assistant header
-(`<|im_start|>assistant\\n`), a thinking template's empty think block (Qwen3:
-`<think>\\n\\n</think>\\n\\n`) and template glue after the closing token (`\\n`) stay 0.
+end-of-turn token generation stops on). System and user turns, the generation prompt (the
+assistant header `<|im_start|>assistant\\n`, and with Qwen3's `enable_thinking: false` the empty
+think block `<think>\\n\\n</think>\\n\\n` after it) and template glue after the closing token (`\\n`)
+stay 0.
+
+Every rendering passes `chat_template_kwargs` (params `target.chat_template_kwargs`) to the
+template: the prompt the target answers here is the one users run it with. A template that never
+reads a variable renders the same text with it (SmolLM2).
 
 How, without knowing the template: render the whole conversation once; the tokens are always
-that rendering's (what the target sees at inference). For assistant message k, its *prompts* are
-`messages[:k]` rendered with the generation prompt, and, when the template has a thinking switch
-(`enable_thinking`), also with thinking off (Qwen3: the same plus the empty think block). Its
-*reply* is `messages[:k+1]` rendered (turn k as the last turn) less the longest of its prompts
-that prefixes it. In the whole rendering turn k starts after the longest of its prompts that
-prefixes it, and the reply must follow there (checked: `TemplateError`, with a reason). So a
-template may render a turn differently while it is the last one (Qwen3 adds the empty think
-block), as long as what the target says is the same text. The whole rendering is tokenized once
-with character offsets; a token belongs to turn k when it overlaps the reply's span (so a token
-merging the header's last space with the reply's first word counts as the reply's), and the
-turn's supervised tokens run from its first token to its last special token.
+that rendering's (what the target sees at inference). For assistant message k, its *served
+prompt* is `messages[:k]` rendered with the generation prompt, its *plain prompt* the same without
+the kwargs, and its *reply* is `messages[:k+1]` rendered (turn k as the last turn) less the longest
+of the two that prefixes it (Qwen3, thinking off: the served one; a reply that carries its own
+`<think>` reasoning follows the plain one, as the target writes it with thinking on). In the whole
+rendering turn k starts after the longest of the two that prefixes it, and the reply must follow
+there (checked: `TemplateError`, with a reason). The plain prompt is how Qwen3 renders an answered
+turn: its header without the think block, which the template keeps for the turns after the last
+user message only. So an answered reply's row context lacks the served prompt's empty think block
+(4 tokens); its text and every earlier token are what users' later prompts hold. The whole rendering is
+tokenized once with character offsets; a token belongs to turn k when it overlaps the reply's
+span (so a token merging the header's last space with the reply's first word counts as the
+reply's), and the turn's supervised tokens run from its first token to its last special token.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -32,6 +41,11 @@ from dominospec.data.conversations import ASSISTANT
 from dominospec.errors import UserError
 
 Messages = Sequence[dict[str, str]]
+TemplateKwargs = Mapping[str, Any]  # params `target.chat_template_kwargs`
+
+
+class TemplateKwargsError(UserError):
+    """A chat_template_kwargs key that is an argument of `apply_chat_template`, not a template variable."""
 
 
 class TemplateError(ValueError):
@@ -41,9 +55,6 @@ class TemplateError(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-THINKING_OFF = {"enable_thinking": False}  # the switch of Qwen3-style templates; ignored by the others
 
 
 @dataclass
@@ -60,33 +71,39 @@ class Rendered:
         return self.full_length > len(self.input_ids)
 
 
-def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False, **switches: Any) -> str:
-    """messages -> the chat template's text (no tokenization); `switches` are template variables (THINKING_OFF)."""
+def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool,
+                chat_template_kwargs: TemplateKwargs) -> str:
+    """messages -> the chat template's text (no tokenization); `chat_template_kwargs` are template variables
+    (TemplateKwargsError for one that is an argument of `apply_chat_template`: `tokenize`, `chat_template`, ...)."""
+    clash = sorted(_arguments(type(tokenizer)).intersection(chat_template_kwargs))
+    if clash:
+        raise TemplateKwargsError(f"chat_template_kwargs: {', '.join(map(repr, clash))} set what `apply_chat_template` "
+                                  "does, not a variable of the chat template")
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **switches
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **chat_template_kwargs
     )
 
 
-def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-    """messages -> (full rendering, [(start, end) character span of each assistant reply in it, header excluded]).
+def assistant_spans(
+    tokenizer: Any, messages: Messages, chat_template_kwargs: TemplateKwargs
+) -> tuple[str, list[tuple[int, int]]]:
+    """messages + template variables -> (full rendering, [(start, end) character span of each assistant reply in it,
+    header excluded]).
 
-    Raises TemplateError with a reason: `template_rewrites_prompt` when no prompt of turn k prefixes the full
-    rendering or `messages[:k+1]`'s (the target would be prompted with other text than the row shows);
-    `template_rewrites_reply` when turn k, rendered as the last turn, is not in the full rendering after its
-    prompt (e.g. Qwen3 drops an answered turn's reasoning).
+    Raises TemplateError with a reason: `template_rewrites_prompt` when neither turn k's served nor its plain
+    prompt prefixes the full rendering or `messages[:k+1]`'s (the target would be prompted with other text than the
+    row shows); `template_rewrites_reply` when turn k, rendered as the last turn, is not in the full rendering after
+    its prompt (e.g. Qwen3 drops an answered turn's reasoning, and with thinking on its empty think block).
     """
-    full = render_text(tokenizer, messages)
-    # A template that never reads the switch renders the same text with it (Jinja): skip the second render.
-    thinking = THINKING_OFF if any(k in str(tokenizer.chat_template) for k in THINKING_OFF) else None
+    full = render_text(tokenizer, messages, False, chat_template_kwargs)
     spans: list[tuple[int, int]] = []
     for k, message in enumerate(messages):
         if message["role"] != ASSISTANT:
             continue
-        prompts = [render_text(tokenizer, messages[:k], add_generation_prompt=True)]
-        if thinking:
-            prompts.append(render_text(tokenizer, messages[:k], add_generation_prompt=True, **thinking))
-        prompts = sorted(set(prompts), key=len, reverse=True)  # longest first
-        turn = render_text(tokenizer, messages[: k + 1])
+        served = render_text(tokenizer, messages[:k], True, chat_template_kwargs)
+        plain = render_text(tokenizer, messages[:k], True, {}) if chat_template_kwargs else served
+        turn = render_text(tokenizer, messages[: k + 1], False, chat_template_kwargs)
+        prompts = sorted({served, plain}, key=len, reverse=True)  # longest first
         head = next((p for p in prompts if turn.startswith(p)), None)  # turn k's prompt, as last turn
         prompt = next((p for p in prompts if full.startswith(p)), None)  # turn k's prompt, in the conversation
         if head is None or prompt is None:  # e.g. Qwen3 right after an assistant message (its think block moves)
@@ -99,6 +116,13 @@ def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple
     return full, spans
 
 
+@functools.cache
+def _arguments(tokenizer_class: type) -> frozenset[str]:
+    """The names `apply_chat_template` takes itself (and `messages`, the template's own): never template variables."""
+    named = inspect.signature(tokenizer_class.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in named if p.kind is not p.VAR_KEYWORD) | {"messages", "conversations"}
+
+
 def special_token_ids(tokenizer: Any) -> set[int]:
     """Ids of every special token (the ones a turn can be closed with)."""
     ids = set(tokenizer.all_special_ids)
@@ -107,13 +131,14 @@ def special_token_ids(tokenizer: Any) -> set[int]:
 
 
 def render_batch(
-    tokenizer: Any, conversations: Sequence[Messages], max_length: int, special_ids: set[int]
-) -> list[Rendered | TemplateError]:
+    tokenizer: Any, conversations: Sequence[Messages], max_length: int, special_ids: set[int],
+    chat_template_kwargs: TemplateKwargs,
+) -> list[Rendered | TemplateError]:  # fmt: skip
     """Conversations -> one Rendered each (or the TemplateError that prevented it), tokenized in one batch."""
     texts, all_spans, results = [], [], []
     for messages in conversations:
         try:
-            text, spans = assistant_spans(tokenizer, messages)
+            text, spans = assistant_spans(tokenizer, messages, chat_template_kwargs)
         except TemplateError as err:
             results.append(err)
             continue
@@ -131,9 +156,9 @@ def render_batch(
     return results
 
 
-def render(tokenizer: Any, messages: Messages, max_length: int) -> Rendered:
+def render(tokenizer: Any, messages: Messages, max_length: int, chat_template_kwargs: TemplateKwargs) -> Rendered:
     """One conversation -> Rendered; raises TemplateError."""
-    (result,) = render_batch(tokenizer, [messages], max_length, special_token_ids(tokenizer))
+    (result,) = render_batch(tokenizer, [messages], max_length, special_token_ids(tokenizer), chat_template_kwargs)
     if isinstance(result, TemplateError):
         raise result
     return result
@@ -160,10 +185,10 @@ def _to_rendered(
     )
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Chat messages -> token ids of the chat template's rendering with the generation prompt: what
-    evaluate, `generate` and the built-in server feed the target."""
+def render_prompt(tokenizer: Any, messages: Messages, chat_template_kwargs: TemplateKwargs) -> list[int]:
+    """Chat messages + template variables -> token ids of the chat template's rendering with the generation
+    prompt: what evaluate, `generate` and the built-in server feed the target."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the target's tokenizer has no chat template: prompts cannot be rendered as chat")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_text(tokenizer, messages, True, chat_template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

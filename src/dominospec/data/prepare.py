@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from datasets import Dataset, DatasetDict, Features, List, Value
@@ -64,7 +64,7 @@ def prepare(params: Params) -> None:
     if params.target.mask_token_id is not None and not 0 <= params.target.mask_token_id < len(tokenizer):
         raise UserError(f"target.mask_token_id {params.target.mask_token_id} is not a token id (vocab {len(tokenizer)})")
 
-    table = tokenize(conversations, tokenizer, cfg, candidates)
+    table = tokenize(conversations, tokenizer, cfg, candidates, params.target.chat_template_kwargs)
     skipped.update(s for s in table["skip"] if s)
     kept = table.select(np.flatnonzero(np.asarray(table["skip"]) == ""))
     if len(kept) == 0:
@@ -104,8 +104,10 @@ def prepare(params: Params) -> None:
     )
 
 
-def tokenize(conversations: list[dict[str, Any]], tokenizer: Any, cfg: PrepareParams, candidates: list[int]) -> Dataset:
-    """Normalised conversations (with "split") -> working table: dataset columns + split/skip/truncated/candidates_seen."""
+def tokenize(conversations: list[dict[str, Any]], tokenizer: Any, cfg: PrepareParams, candidates: list[int],
+             chat_template_kwargs: Mapping[str, Any]) -> Dataset:
+    """Normalised conversations (with "split") + template variables -> working table: dataset columns +
+    split/skip/truncated/candidates_seen."""
     table = Dataset.from_list(
         [{"id": c["id"], "messages": c["messages"], "split": c["split"]} for c in conversations],
         features=Features({"id": FEATURES["id"], "messages": FEATURES["messages"], "split": Value("string")}),
@@ -122,6 +124,7 @@ def tokenize(conversations: list[dict[str, Any]], tokenizer: Any, cfg: PreparePa
             max_length=cfg.max_length,
             special_ids=special_token_ids(tokenizer),
             candidates=np.asarray(candidates, dtype=np.int64),
+            chat_template_kwargs=dict(chat_template_kwargs),
         ),
         new_fingerprint=uuid.uuid4().hex,  # never reuse a cache; skips hashing the tokenizer
         desc="render + tokenize",
@@ -140,11 +143,12 @@ def choose_mask_token(candidates: list[int], seen: list[list[int]], configured: 
     raise UserError(f"no mask token: every candidate special token {candidates} occurs in the data; set target.mask_token_id")
 
 
-def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int, special_ids: set[int], candidates: np.ndarray):
+def _render_rows(batch: dict[str, list], tokenizer: Any, max_length: int, special_ids: set[int], candidates: np.ndarray,
+                 chat_template_kwargs: dict[str, Any]):
     """datasets.map body: a batch of conversations -> the working columns."""
     names = ("input_ids", "loss_mask", "num_tokens", "skip", "truncated", "assistant_tokens", "candidates_seen")
     out: dict[str, list] = {k: [] for k in names}
-    for rendered in render_batch(tokenizer, batch["messages"], max_length, special_ids):
+    for rendered in render_batch(tokenizer, batch["messages"], max_length, special_ids, chat_template_kwargs):
         if isinstance(rendered, TemplateError):
             # typed empty rows: a batch mixing [] with int32 arrays fails arrow's concatenation
             skip, ids, mask, seen, truncated = rendered.reason, np.zeros(0, np.int32), np.zeros(0, np.int8), [], False

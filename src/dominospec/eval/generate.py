@@ -29,7 +29,7 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     linear = prepare_target(target, params.engine)
     num_draft = None if mode == "ar" or (mode == "ngram" and cfg.num_draft != "auto") else cfg.num_draft
     engine = SpecEngine(target, draft, mode, num_draft, dataclasses.replace(params.engine, linear=linear))
-    ids = render(target.tokenizer, [{"role": "user", "content": prompt}])
+    ids = render(target.tokenizer, [{"role": "user", "content": prompt}], params.target.chat_template_kwargs)
     out = engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed)
     s = out.stats
     print(out.text)

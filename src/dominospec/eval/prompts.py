@@ -1,7 +1,8 @@
 """Prompt suites: the ShareGPT test split, HumanEval, and user JSONL files, as chat-rendered token ids.
 
 Every prompt is a list of chat messages rendered with the target's chat template plus the
-generation prompt (the form the draft was trained on), then tokenized without extra specials.
+generation prompt and `target.chat_template_kwargs` (the form the draft was trained on), then
+tokenized without extra specials.
 
 - `sharegpt`: the test split of the prepared dataset (`paths.prepared`); a conversation's
   messages up to and including its first user turn.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dominospec.data.chat import render_prompt
+from dominospec.data.chat import TemplateKwargs, render_prompt
 from dominospec.data.code_prompts import COMPLETE_FUNCTION
 from dominospec.errors import UserError
 
@@ -37,7 +38,7 @@ class Suite:
     """A named list of prompts, as chat messages and as their token ids, and how many were too long."""
 
     name: str
-    prompts: list[list[int]]  # prompts[i] = render_prompt(tokenizer, messages[i])
+    prompts: list[list[int]]  # prompts[i] = render_prompt(tokenizer, messages[i], chat_template_kwargs)
     skipped_too_long: int
     messages: list[Messages]
 
@@ -47,13 +48,14 @@ def suite_name(spec: str) -> str:
     return Path(spec).stem if spec.endswith(".jsonl") else spec
 
 
-def load_suite(spec: str, tokenizer: Any, prepared_dir: str, max_prompts: int, max_prompt_tokens: int) -> Suite:
+def load_suite(spec: str, tokenizer: Any, chat_template_kwargs: TemplateKwargs, prepared_dir: str, max_prompts: int,
+               max_prompt_tokens: int) -> Suite:
     """Suite entry -> Suite of at most `max_prompts` rendered prompts of at most `max_prompt_tokens` tokens."""
     prompts, kept, skipped = [], [], 0
     for messages in suite_conversations(spec, prepared_dir):
         if len(prompts) == max_prompts:
             break
-        ids = render_prompt(tokenizer, messages)
+        ids = render_prompt(tokenizer, messages, chat_template_kwargs)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue

@@ -78,10 +78,12 @@ def evaluate_server(params: Params, url: str, out: Optional[str] = None, prompts
         try:
             model = model_id(client, url)  # first: an unreachable server fails before any loading
             suites, empty = served_suites(params, prompts)
-            warm_up(client, url, request_body(model, suites[0].messages[0], cfg, 0, min(8, cfg.max_new_tokens)))
+            template_kwargs = params.target.chat_template_kwargs
+            warm_up(client, url, request_body(model, suites[0].messages[0], cfg, template_kwargs, 0,
+                                              min(8, cfg.max_new_tokens)))
             before = server_accept_length(client, url)
-            results = {s.name: {f"c{n}": run_level(client, url, model, s.name, s.messages, cfg, n) for n in levels}
-                       for s in suites}
+            results = {s.name: {f"c{n}": run_level(client, url, model, s.name, s.messages, cfg, template_kwargs, n)
+                                for n in levels} for s in suites}
             after = server_accept_length(client, url)
         except Unauthorized as err:
             state = "is set but the server refused it" if os.environ.get(key_env) else "is not set"
@@ -111,7 +113,8 @@ def served_suites(params: Params, prompts: Optional[str]) -> tuple[list[Suite], 
     if not specs or len({suite_name(s) for s in specs}) != len(specs):
         raise UserError(f"evaluate.suites must name distinct suites, got {specs}")
     tokenizer = load_tokenizer(params.target)  # the length limit counts rendered tokens, as offline
-    loaded = [load_suite(s, tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
+    loaded = [load_suite(s, tokenizer, params.target.chat_template_kwargs, params.paths.prepared, cfg.max_prompts,
+                         cfg.max_prompt_tokens) for s in specs]
     empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
              for s in loaded if not s.prompts}
     for name, why in empty.items():
@@ -121,12 +124,16 @@ def served_suites(params: Params, prompts: Optional[str]) -> tuple[list[Suite], 
     return [s for s in loaded if s.prompts], empty
 
 
-def request_body(model: str, messages: Messages, cfg: EvaluateParams, i: int, max_tokens: int) -> dict[str, Any]:
-    """Prompt i of a suite -> the /v1/chat/completions request body."""
+def request_body(model: str, messages: Messages, cfg: EvaluateParams, chat_template_kwargs: dict[str, Any], i: int,
+                 max_tokens: int) -> dict[str, Any]:
+    """Prompt i of a suite -> the /v1/chat/completions request body (with `target.chat_template_kwargs` when
+    set: the server renders the prompt as the offline evaluation does)."""
     body: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "seed": cfg.seed + i, "return_meta_info": True, "stream": False,
     }
+    if chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(chat_template_kwargs)
     if cfg.top_k > 0:
         body["top_k"] = cfg.top_k
     if cfg.stop_strings:
@@ -143,9 +150,10 @@ def warm_up(client: httpx.Client, url: str, body: dict[str, Any]) -> None:
 
 
 def run_level(client: httpx.Client, url: str, model: str, name: str, conversations: list[Messages],
-              cfg: EvaluateParams, concurrency: int) -> dict[str, Any]:
+              cfg: EvaluateParams, chat_template_kwargs: dict[str, Any], concurrency: int) -> dict[str, Any]:
     """Every prompt of a suite, `concurrency` in flight -> the level's metrics (UserError if all fail)."""
-    bodies = [request_body(model, m, cfg, i, cfg.max_new_tokens) for i, m in enumerate(conversations)]
+    bodies = [request_body(model, m, cfg, chat_template_kwargs, i, cfg.max_new_tokens)
+              for i, m in enumerate(conversations)]
     _call(lambda: client.post("/flush_cache"), url)  # status ignored: not every server has one
     with tqdm(total=len(bodies), desc=f"{name} c{concurrency}", unit="req") as bar:
         def one(body: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]], Optional[str]]:

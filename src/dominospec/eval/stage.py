@@ -85,7 +85,8 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         if cfg.chain_comparison and engines[HEAD].width > 1:  # the first-token tree's own chain, for comparison
             engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, options.with_tree(shape="chain"))
         engines[TREE] = SpecEngine(target, draft, TREE, cfg.num_draft, options)
-    loaded = [load_suite(s, target.tokenizer, params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens) for s in specs]
+    loaded = [load_suite(s, target.tokenizer, params.target.chat_template_kwargs, params.paths.prepared, cfg.max_prompts,
+                         cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
     empty = {s.name: f"no prompt of at most {cfg.max_prompt_tokens} tokens ({s.skipped_too_long} longer)"
              for s in loaded if not s.prompts}

@@ -1,9 +1,10 @@
 """The target answering conversations itself: every assistant turn replaced by the target's own reply.
 
-`rewrite_conversations(target, conversations, cfg, max_length)` decodes a batch of conversations
-together (`decoder.ReplyStream`: continuous batching, one KV slot per conversation). When a reply
+`rewrite_conversations(target, conversations, cfg, max_length, chat_template_kwargs)` decodes a batch
+of conversations together (`decoder.ReplyStream`: continuous batching, one KV slot per conversation). When a reply
 is done, its conversation appends its next user/system messages to its history, renders it with
-the generation prompt and starts its next reply at once, while the others keep decoding.
+the generation prompt (and `target.chat_template_kwargs`, the form users prompt the target in) and
+starts its next reply at once, while the others keep decoding.
 
 Earlier turns are never recomputed: each conversation keeps its KV slot between turns and feeds
 only what is new. Its context is the token sequence the target has seen and produced:
@@ -25,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dominospec.config import RegenerateParams
-from dominospec.data.chat import render_text
+from dominospec.data.chat import TemplateKwargs, render_text
 from dominospec.data.conversations import ASSISTANT
 from dominospec.engine.stops import stop_token_ids
 from dominospec.regenerate.decoder import DecodePolicy, Reply, ReplyStream
@@ -55,9 +56,11 @@ class _Context:
 
 def rewrite_conversations(
     target: Target, conversations: Sequence[Sequence[dict[str, str]]], cfg: RegenerateParams, max_length: int,
-    generator: Optional[torch.Generator] = None, on_tokens: Optional[Callable[[int], None]] = None,
+    chat_template_kwargs: TemplateKwargs, generator: Optional[torch.Generator] = None,
+    on_tokens: Optional[Callable[[int], None]] = None,
 ) -> list[Rewritten]:  # fmt: skip
-    """Conversations (normalised messages) -> the same conversations with the target's own assistant replies."""
+    """Conversations (normalised messages) + template variables -> the same conversations with the target's own
+    assistant replies."""
     tokenizer = target.tokenizer
     results = [Rewritten() for _ in conversations]
     contexts = [_Context() for _ in conversations]
@@ -72,7 +75,7 @@ def rewrite_conversations(
         while cursor[i] < len(source) and source[cursor[i]]["role"] != ASSISTANT:
             history.append(dict(source[cursor[i]]))
             cursor[i] += 1
-        text = render_text(tokenizer, history, add_generation_prompt=True) if cursor[i] < len(source) else None
+        text = render_text(tokenizer, history, True, chat_template_kwargs) if cursor[i] < len(source) else None
         if text is not None and i in stream.slot_of and not text.startswith(context.text):
             stream.end(i, compact=False)  # a template that rewrites history: start afresh from the full rendering
         if text is not None and i not in stream.slot_of:
@@ -113,10 +116,11 @@ def _count(result: Rewritten, reply: Reply, budget: int, max_new_tokens: int) ->
     result.replies_loop_cut += reply.loop_cut
 
 
-def first_prompt_length(tokenizer: Any, messages: Sequence[dict[str, str]]) -> int:
-    """Normalised messages -> tokens of the first generation prompt (everything before the first reply)."""
+def first_prompt_length(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template_kwargs: TemplateKwargs) -> int:
+    """Normalised messages + template variables -> tokens of the first generation prompt (everything before the
+    first reply)."""
     first = next((k for k, m in enumerate(messages) if m["role"] == ASSISTANT), len(messages))
-    text = render_text(tokenizer, messages[:first], add_generation_prompt=True)
+    text = render_text(tokenizer, messages[:first], True, chat_template_kwargs)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

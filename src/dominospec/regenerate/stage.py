@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from dominospec.errors import UserError
 from dominospec.config import Params, RegenerateParams
-from dominospec.data.chat import TemplateError, render_batch, special_token_ids
+from dominospec.data.chat import TemplateError, TemplateKwargs, render_batch, special_token_ids
 from dominospec.data.code_prompts import CodePrompts, code_prompts
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.regenerate.journal import Journal
@@ -98,7 +98,8 @@ def regenerate(params: Params) -> None:
                                                      max_length, mask_token_id)
         out["train"], code_train = concatenate_datasets([out["train"].cast(FEATURES), answered.cast(FEATURES)]), len(answered)
     out["train"], originals, original_skipped = with_originals(out["train"], splits["train"], cfg, target.tokenizer,
-                                                               max_length, mask_token_id)
+                                                               max_length, mask_token_id,
+                                                               params.target.chat_template_kwargs)
     out = DatasetDict(out)
     write_dataset(params.paths.regenerated, out, {**meta, "regenerated": rewritten, "original_train": originals,
                                                   "code_train": code_train,
@@ -149,16 +150,17 @@ def _regenerate_split(
     """The first `limit` conversations of one split -> (the rewritten split, its report with the entries)."""
     cfg = params.regenerate
     count = len(data) if limit is None else min(limit, len(data))
-    chunks = length_sorted_chunks(target.tokenizer, data, count, cfg.batch_size)
+    template_kwargs = params.target.chat_template_kwargs
+    chunks = length_sorted_chunks(target.tokenizer, data, count, cfg.batch_size, template_kwargs)
     journal = Journal(work_dir(params.paths.regenerated) / f"journal-{split}.jsonl",
-                      {**_fingerprint(cfg, meta, data, count), "split": split})
+                      {**_fingerprint(cfg, meta, data, count), "chat_template_kwargs": template_kwargs, "split": split})
     done = journal.load()  # chunk index -> journal entries, for the chunks a killed run finished
     resumed = sum(len(chunks[c]) for c in done if c < len(chunks))
     if done:
         print(f"regenerate: resuming {split}, {resumed}/{count} conversations already rewritten", file=sys.stderr)
-    new_tokens, seconds = _rewrite_chunks(target, data, chunks, cfg, max_length, journal, done, split)
+    new_tokens, seconds = _rewrite_chunks(target, data, chunks, cfg, max_length, template_kwargs, journal, done, split)
     entries = sorted((e for c in range(len(chunks)) for e in done[c]), key=lambda e: e["row"])  # original order
-    rewritten, skipped = _render(target.tokenizer, entries, max_length, mask_token_id)
+    rewritten, skipped = _render(target.tokenizer, entries, max_length, mask_token_id, template_kwargs)
     journal.remove()
     return rewritten, {
         "entries": entries, "resumed": resumed, "new_tokens": new_tokens,
@@ -190,7 +192,7 @@ def first_turns(messages: list[dict[str, str]], max_turns: Any) -> list[dict[str
 
 def _rewrite_chunks(
     target: Target, train: Dataset, chunks: list[list[int]], cfg: RegenerateParams, max_length: int,
-    journal: Journal, done: dict[int, list[Any]], split: str = "train",
+    chat_template_kwargs: TemplateKwargs, journal: Journal, done: dict[int, list[Any]], split: str = "train",
 ) -> tuple[int, float]:  # fmt: skip
     """Rewrite every chunk not in `done`, journaling each; fills `done` -> (tokens generated, generation seconds)."""
     new_tokens, generation_seconds = 0, 0.0
@@ -204,7 +206,8 @@ def _rewrite_chunks(
             generator = torch.Generator(target.device).manual_seed(seed)  # same draws, whatever ran before
             tick = time.perf_counter()
             conversations = [first_turns(train[i]["messages"], cfg.max_turns) for i in rows]
-            rewritten = rewrite_conversations(target, conversations, cfg, max_length, generator, rate.add)
+            rewritten = rewrite_conversations(target, conversations, cfg, max_length, chat_template_kwargs, generator,
+                                              rate.add)
             generation_seconds += time.perf_counter() - tick
             entries = [{"row": i, "id": train[i]["id"], **dataclasses.asdict(r)} for i, r in zip(rows, rewritten)]
             journal.append(c, entries)
@@ -228,15 +231,16 @@ class _TokenRate:
             self.shown = now
 
 
-def length_sorted_chunks(tokenizer: Any, train: Dataset, count: int, batch_size: int) -> list[list[int]]:
+def length_sorted_chunks(tokenizer: Any, train: Dataset, count: int, batch_size: int,
+                         chat_template_kwargs: TemplateKwargs) -> list[list[int]]:
     """The first `count` rows, sorted by first-prompt length (ties: row order) -> chunks of `batch_size` rows."""
-    lengths = [first_prompt_length(tokenizer, train[i]["messages"]) for i in range(count)]
+    lengths = [first_prompt_length(tokenizer, train[i]["messages"], chat_template_kwargs) for i in range(count)]
     order = sorted(range(count), key=lambda i: (lengths[i], i))
     return [order[i : i + batch_size] for i in range(0, count, batch_size)]
 
 
 def with_originals(rewritten: Dataset, train: Dataset, cfg: RegenerateParams, tokenizer: Any, max_length: int,
-                   mask_token_id: int) -> tuple[Dataset, int, Counter]:
+                   mask_token_id: int, chat_template_kwargs: TemplateKwargs) -> tuple[Dataset, int, Counter]:
     """The rewritten train split + the `original_conversations` prepared train rows that follow the
     rewritten ones (rows max_conversations..), original replies, cut to `max_turns` and rendered
     as prepare renders -> (train split, originals kept, skipped reason -> count)."""
@@ -246,7 +250,7 @@ def with_originals(rewritten: Dataset, train: Dataset, cfg: RegenerateParams, to
         return rewritten, 0, Counter()
     rows = train.select(range(start, stop))
     entries = [{"id": r["id"], "messages": through_last_reply(first_turns(r["messages"], cfg.max_turns))} for r in rows]
-    originals, skipped = _render(tokenizer, entries, max_length, mask_token_id)
+    originals, skipped = _render(tokenizer, entries, max_length, mask_token_id, chat_template_kwargs)
     return concatenate_datasets([rewritten.cast(FEATURES), originals.cast(FEATURES)]), len(originals), skipped
 
 
@@ -270,10 +274,12 @@ def copy_unchanged(prepared: Path, out: Path, meta: dict[str, Any]) -> None:
     replace_path(tmp, out)
 
 
-def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask_token_id: int) -> tuple[Dataset, Counter]:
+def _render(tokenizer: Any, entries: list[dict[str, Any]], max_length: int, mask_token_id: int,
+            chat_template_kwargs: TemplateKwargs) -> tuple[Dataset, Counter]:
     """Journal entries -> (train split in the dataset format, skipped reason -> count), masked exactly as prepare does."""
     skipped: Counter = Counter()
-    rendered = render_batch(tokenizer, [e["messages"] for e in entries], max_length, special_token_ids(tokenizer))
+    rendered = render_batch(tokenizer, [e["messages"] for e in entries], max_length, special_token_ids(tokenizer),
+                            chat_template_kwargs)
     rows = []
     for entry, r in zip(entries, rendered):
         if not entry["messages"]:

@@ -1,6 +1,6 @@
 """The built-in server's routes: SGLang's OpenAI-compatible subset on top of one `Service`.
 
-    POST /v1/chat/completions   messages -> the target's chat template -> answer (stream or not)
+    POST /v1/chat/completions   messages (+ chat_template_kwargs) -> chat template -> answer (stream or not)
     POST /v1/completions        prompt string, tokenized as is -> answer (stream or not)
     GET  /v1/models             the one served model (owned_by "dominospec")
     GET  /health                200 {} while the engine worker runs, else 503
@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from dominospec.errors import UserError
-from dominospec.data.chat import render_prompt as render
+from dominospec.data.chat import TemplateKwargsError, render_prompt as render
 from dominospec.serve.errors import ApiError, install_handlers
 from dominospec.serve.guards import Guards
 from dominospec.serve.requests import ChatRequest, CompletionRequest, parse_request
@@ -52,7 +52,8 @@ def build_app(service: Service) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()
         body = parse_request(await request.body(), ChatRequest)
-        prompt_ids = await run_in_threadpool(render_chat, service.tokenizer, body.chat_messages())
+        prompt_ids = await run_in_threadpool(render_chat, service.tokenizer, body.chat_messages(),
+                                             body.template_kwargs(service.chat_template_kwargs))
         service.check_prompt(prompt_ids, "messages")
         return await service.answer(request, body, prompt_ids, chat=True, arrived=arrived)
 
@@ -67,10 +68,13 @@ def build_app(service: Service) -> FastAPI:
     return app
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat messages -> prompt ids via the target's chat template; ApiError 400 when it refuses them."""
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any]) -> list[int]:
+    """Chat messages + template variables -> prompt ids via the target's chat template; ApiError 400 when it
+    refuses them."""
     try:
-        return render(tokenizer, messages)
+        return render(tokenizer, messages, chat_template_kwargs)
+    except TemplateKwargsError as err:
+        raise ApiError(400, str(err), "chat_template_kwargs", "invalid_value") from None
     except UserError as err:  # no chat template
         raise ApiError(400, f"{err}: use /v1/completions", "messages", "no_chat_template") from None
     except TemplateError as err:  # e.g. a template that requires alternating roles

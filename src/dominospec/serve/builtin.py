@@ -127,13 +127,15 @@ def load_service(params: Params) -> "Service":
                         dataclasses.replace(params.engine, linear=linear))
     engine.capture_all()  # on CUDA graphs: every shape captured before the first request
     if engine.auto:  # auto-K's round cost, measured at start-up on a warm process, not inside the first request
-        ids = render_prompt(target.tokenizer, [{"role": "user", "content": CALIBRATION_PROMPT}])
+        ids = render_prompt(target.tokenizer, [{"role": "user", "content": CALIBRATION_PROMPT}],
+                            params.target.chat_template_kwargs)
         engine.calibrate(ids)  # the first pass warms every shape's kernels and allocations: a cold one overprices rows
         engine.calibrate(ids)
     name = cfg.served_model_name or target.identity.name
     api_key = os.environ.get(cfg.api_key_env) or None
     return Service(
-        worker=EngineWorker(engine, cfg.max_queue), tokenizer=target.tokenizer, name=name, limits=cfg,
+        worker=EngineWorker(engine, cfg.max_queue), tokenizer=target.tokenizer,
+        chat_template_kwargs=params.target.chat_template_kwargs, name=name, limits=cfg,
         sampling_defaults=sampling_defaults(getattr(target.model, "generation_config", None)),
         context_length=engine.max_positions, info=static_info(params, engine, name, path, api_key is not None),
         speculative=draft is not None, api_key=api_key,

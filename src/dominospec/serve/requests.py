@@ -13,6 +13,9 @@ Accepted fields (SGLang's OpenAI subset):
                     (system user assistant developer tool function root latest_reminder), in any
                     case, passed to the chat template in lower case
   prompt (compl.)   a non-empty string, tokenized as is (no chat template)
+  chat_template_kwargs (chat)  an object of chat-template variables (SGLang's and vLLM's extension,
+                    e.g. Qwen3's {"enable_thinking": false}), over `target.chat_template_kwargs`
+                    key by key; a key that is an argument of `apply_chat_template` (`tokenize`, ...) is 400
   max_tokens        >= 1 (chat: `max_completion_tokens` wins when both are given)
   temperature       >= 0; below 1e-6 decodes greedily (SGLang's rule)
   top_p             (0, 1];   top_k  -1 or 0 = off, else >= 1
@@ -160,6 +163,7 @@ class SamplingFields(Strict):
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     uses_model_defaults: ClassVar[bool] = True
 
     def requested_max_tokens(self) -> Optional[int]:
@@ -167,6 +171,11 @@ class ChatRequest(SamplingFields):
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def template_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The served chat-template variables (`target.chat_template_kwargs`) -> those of this request: its own
+        `chat_template_kwargs` over them, key by key."""
+        return {**defaults, **(self.chat_template_kwargs or {})}
 
 
 class CompletionRequest(SamplingFields):

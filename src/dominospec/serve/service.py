@@ -55,6 +55,7 @@ class Service:
 
     worker: EngineWorker
     tokenizer: Any
+    chat_template_kwargs: dict[str, Any]  # params target.chat_template_kwargs; a request's own win key by key
     name: str  # the served model name
     limits: ServeParams
     sampling_defaults: dict[str, Any]  # the target's generation_config sampling values
