@@ -20,7 +20,7 @@ from engine_helpers import tiny_draft, tiny_target
 
 from dominospec.engine.domino_tree import grow_tree
 from dominospec.engine.fork import words_for
-from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder
+from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.engine.lean_kv import LeanTargetKV, row_buckets
 from dominospec.engine.target_kv import DynamicTargetKV
 

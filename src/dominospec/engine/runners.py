@@ -1,5 +1,5 @@
 """The runners one engine decodes on, chosen once: dynamic caches, static caches (CUDA graphs on a
-GPU, transformers' forward), or the lean decoder (engine.lean_decoder, its own caches and kernels).
+GPU, transformers' forward), or the lean decoder (models.lean, its own caches and kernels).
 
 `EngineRunners.pair(rows)` -> (target KV runner, draft block runner or None), reset, for a
 generation of at most `rows` positions:
@@ -18,11 +18,12 @@ import torch
 
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.fork import MAX_TREE_ROWS
-from dominospec.engine.lean_decoder import lean_decoder, unsupported
-from dominospec.engine.lean_draft import LeanDraftBlock, lean_draft
+from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.errors import UserError
+from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
+from dominospec.target import Target
 
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
 
@@ -39,15 +40,28 @@ def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
     return buckets + [capacity]
 
 
+def lean_decoder(target: Target, triton: bool) -> LeanDecoder:
+    """The target's lean decoder on the Triton kernels (`triton`) or their references, built once and
+    kept on the target (`Target.lean`) for every engine on it: it holds a copy of the fused q/k/v
+    and gate/up weights (models.lean)."""
+    ops = DecoderOps.on(triton)
+    if ops.name not in target.lean:
+        target.lean[ops.name] = LeanDecoder(target.model, ops)
+    return target.lean[ops.name]
+
+
 class EngineRunners:
     """One engine's runners (module docstring). `max_rows`: the widest forward after the prompt (the
     verify of x_start and a round's proposal, or the draft block); `draft`: the draft path's model
-    (None without a draft) with its LM head, the block's MASK embeddings and the target layers it reads."""
+    (None without a draft) with its LM head, the block's MASK embeddings and the target layers it reads.
+    The target's lean decoder is the target's (`lean_decoder`, shared by its engines); the draft's
+    lean backbone is this engine's own."""
 
-    def __init__(self, model: Any, params: Any, max_rows: int, device: torch.device, static: bool, graphs: bool,
+    def __init__(self, target: Target, params: Any, max_rows: int, device: torch.device, static: bool, graphs: bool,
                  packed: bool, draft: Any = None, draft_lm_head: Any = None, embed_tokens: Any = None,
                  mask_embeds: Optional[torch.Tensor] = None, layer_ids: tuple[int, ...] = ()):
-        self.model, self.params, self.max_rows, self.device = model, params, max_rows, device
+        self.target, self.model = target, target.model
+        self.params, self.max_rows, self.device = params, max_rows, device
         self.static, self.graphs = static, graphs
         self.draft, self.draft_lm_head = draft, draft_lm_head
         self.embed_tokens, self.mask_embeds = embed_tokens, mask_embeds
@@ -72,9 +86,9 @@ class EngineRunners:
             raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
                             "(lower engine.tree_width / tree_nodes / ngram_num_draft, or set lean_target: auto)")
         triton = self.device.type == "cuda"
-        self.lean = lean_decoder(self.model, triton)
+        self.lean = lean_decoder(self.target, triton)
         if self.draft is not None:
-            self.lean_draft = lean_draft(self.draft, triton)
+            self.lean_draft = LeanDraft(self.draft, DecoderOps.on(triton))
 
     def capacities(self) -> list[int]:
         """The static caches' capacity buckets (`static_buckets`)."""

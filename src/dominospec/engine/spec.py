@@ -96,7 +96,7 @@ class SpecEngine:
         self.lookup_k_max = self.num_draft if mode == "ngram" else (params.ngram_num_draft if params.ngram_assist and
                                                                       self.draft is not None else 0)
         self.proposer = self._proposer(mode)
-        self.runners = EngineRunners(self.model, params, max(self.block_size, self.max_verify) + 1, self.device,
+        self.runners = EngineRunners(self.target, params, max(self.block_size, self.max_verify) + 1, self.device,
                                      self.static_cache, self.cuda_graphs, self.packed, self.draft, self.draft_lm_head,
                                      self.embed_tokens, self.mask_embeds, tuple(self.layer_ids))
 
