@@ -104,15 +104,15 @@ def floor(target: Any, context: int, cuda: bool, out: dict) -> None:
 def verify(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """Verify of T rows on each runner that takes T -> out["verify"][runner][T]."""
     from dominospec.engine.verify_shape import MAX_TREE_ROWS
-    from dominospec.engine.lean_decoder import lean_decoder
     from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.engine.runners import lean_decoder
     from dominospec.engine.target_kv import StaticTargetKV
 
     rows = [int(r) for r in args.rows.split(",")]
     lean_rows = [T for T in rows if T <= MAX_TREE_ROWS]
     capacity, V = args.context + max(rows) + 8, target.identity.vocab_size
     out["verify"] = dict(lean_row_limit=MAX_TREE_ROWS, context=args.context, runners={})
-    runners = {"lean": (lean_rows, lambda: LeanTargetKV(lean_decoder(target.model, triton=cuda), [], capacity,
+    runners = {"lean": (lean_rows, lambda: LeanTargetKV(lean_decoder(target, triton=cuda), [], capacity,
                                                         max(lean_rows), graphs=cuda)),
                "hf static": (rows, lambda: StaticTargetKV(target.model, [], capacity, max(rows), graphs=cuda))}
     with torch.inference_mode():
@@ -242,8 +242,8 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from dominospec.engine.lean_decoder import lean_decoder
     from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.models.lean import DecoderOps, LeanDecoder
 
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -254,7 +254,7 @@ def profile(args: argparse.Namespace) -> None:
                  if isinstance(m, torch.nn.Linear))  # every projection and the LM head: what the GEMMs read
     out["gemm_weight_bytes"] = linear
     out["copy_gb_per_s"] = round(copy_bandwidth(cuda, gib=4.0 if cuda else 0.25), 1)
-    decoder = lean_decoder(model, triton=cuda)
+    decoder = LeanDecoder(model, DecoderOps.on(cuda))
     V = model.config.vocab_size
     with torch.inference_mode():
         for T in rows:

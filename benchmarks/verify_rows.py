@@ -1,7 +1,7 @@
 """What a verify of T rows costs against an AR step, end to end, on each target runner.
 
 For each runner (`hf static`: transformers' forward on a StaticCache with an explicit mask, as
-engine.target_kv runs it; `lean`: engine.lean_decoder's fused forward, engine.lean_kv), both as
+engine.target_kv runs it; `lean`: models.lean's fused forward, engine.lean_kv), both as
 CUDA graphs on a GPU: prefill `--context` tokens, then time, for T in `--rows`, what a round's
 verify costs the host from launch to knowing the answer: the ids copied in, a tree of T rows
 (four branches sharing row 0, as the engine's draft trees; T = 1 is the AR step), the replay, the
@@ -36,9 +36,9 @@ def main() -> None:
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     cuda = torch.cuda.is_available() and not args.smoke
-    from dominospec.engine.lean_decoder import lean_decoder
     from dominospec.engine.lean_kv import LeanTargetKV
     from dominospec.engine.target_kv import StaticTargetKV
+    from dominospec.models.lean import DecoderOps, LeanDecoder
 
     if args.smoke:
         from transformers import LlamaConfig
@@ -57,7 +57,8 @@ def main() -> None:
                   context=args.context, runners={})
     with torch.inference_mode():
         runners = {"hf static": lambda: StaticTargetKV(model, [], capacity, max(rows), graphs=cuda),
-                   "lean": lambda: LeanTargetKV(lean_decoder(model, triton=cuda), [], capacity, max(rows), graphs=cuda)}
+                   "lean": lambda: LeanTargetKV(LeanDecoder(model, DecoderOps.on(cuda)), [], capacity, max(rows),
+                                                    graphs=cuda)}
         for label, make in runners.items():
             result["runners"][label] = verify_costs(make(), vocab, args.context, rows, args.reps, cuda)
             print(f"{label}: {json.dumps(result['runners'][label])}", flush=True)

@@ -1,1 +1,1 @@
-"""Draft model definitions (HF style). Imports torch, transformers and dominospec.kernels only."""
+"""Model definitions (HF style): the Domino draft, and the target's lean forward. Imports torch, transformers and dominospec.kernels only."""

@@ -91,7 +91,7 @@ def test_no_import_cycles():
 
 
 SPEC_ENGINE_IMPORTS = 12  # engine modules engine/spec.py may import: it assembles the engine, it is no hub
-RUNNER_MODULES = ("runners", "target_kv", "lean_kv", "draft_block", "lean_draft", "lean_decoder", "kv", "graphs")
+RUNNER_MODULES = ("runners", "target_kv", "lean_kv", "draft_block", "lean_draft", "kv", "graphs")
 ROUND_MODULES = ("round", "proposers", "proposal", "accept", "verdict")
 
 

@@ -17,7 +17,7 @@ import hashlib
 import importlib.util
 import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -59,6 +59,10 @@ class Target:
     tokenizer: Any
     identity: TargetIdentity
     device: torch.device
+    # The lean decoders of `model` by kind of ops, built by the first engine that takes one and shared
+    # by the others (engine.runners.lean_decoder). Not an argument: a `dataclasses.replace` with
+    # another model starts without.
+    lean: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

@@ -76,7 +76,7 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
 
     from dominospec.data.chat import render_prompt
     from dominospec.engine.verify_shape import branch_tree
-    from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder
+    from dominospec.models.lean import DecoderOps, LeanDecoder
     from dominospec.engine.lean_kv import LeanTargetKV
     from dominospec.engine.target_kv import DynamicTargetKV
 

@@ -1,4 +1,4 @@
-"""The lean decoder (engine.lean_decoder, engine.lean_kv) computes what transformers' forward computes.
+"""The lean decoder (models.lean, engine.lean_kv) computes what transformers' forward computes.
 
 On CPU the lean decoder runs its ops' pure-torch references (the Triton kernels are checked against
 the same references in tests/kernels/test_decoder_kernels.py, and one tiny forward on the kernels
@@ -16,12 +16,13 @@ import torch
 from engine_helpers import engine_params, draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine.lean_decoder import LeanDecoder, DecoderOps, lean_decoder, unsupported
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.runners import lean_decoder
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree
 from dominospec.errors import UserError
+from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=128)
 LEAN = dataclasses.replace(STATIC, lean_target="on")
@@ -72,8 +73,8 @@ def test_lean_draft_block_agrees_with_the_draft_model_through_extend_block_and_c
 
 
 def test_rotary_tables_a_runner_read_outlive_a_larger_runner(target, draft):
-    """Engines on one model share its lean decoder and lean draft, and a CUDA graph captured on a
-    runner holds the addresses of the rotary tables it read. Building a runner of a larger cache grows
+    """The engines on one target share its lean decoder, the runners of one engine its lean draft, and
+    a CUDA graph captured on a runner holds the addresses of the rotary tables it read. Building a runner of a larger cache grows
     the tables: the old ones must stay alive (a freed table is what a replay of the smaller runner's
     graph read next, as an illegal memory access on the GPU after a few prompts), with the same rows."""
     small_target = tiny_target("llama", vocab=32, dtype=torch.float64, max_positions=64)
@@ -111,20 +112,40 @@ def test_a_wrong_visibility_bit_changes_the_logits():
     assert not torch.allclose(right[0, 3:], bad[0, 3:])  # branch 1's rows now see branch 0: changed
 
 
-def test_the_hf_model_still_computes_the_same_after_packing():
-    """Packing rebinds q/k/v and gate/up as views of the fused matrices: the HF forward is unchanged."""
+def test_building_the_lean_decoder_leaves_the_hf_model_as_it_was():
+    """The lean decoder reads the model's weights and changes none of its modules: the same parameters,
+    the same storage, the same forward. The Target builds it once per kind of ops, for all its engines."""
     target = tiny_target("qwen3", vocab=32, dtype=torch.float64, seed=4)
     ids = torch.randint(3, 30, (1, 9), generator=torch.Generator().manual_seed(3))
+    params = {name: (p, p.data_ptr()) for name, p in target.model.named_parameters()}
     with torch.inference_mode():
         before = target.model(input_ids=ids).logits.clone()
-        decoder = lean_decoder(target.model, triton=False)
+        decoder = lean_decoder(target, triton=False)
         after = target.model(input_ids=ids).logits
     assert torch.equal(before, after)
-    assert lean_decoder(target.model, triton=False) is decoder  # built once per model
-    other = copy.deepcopy(target.model).float()  # another engine's copy in another dtype
+    assert all(p is params[name][0] and p.data_ptr() == params[name][1] for name, p in target.model.named_parameters())
+    assert lean_decoder(target, triton=False) is decoder  # built once per target and kind of ops
+    layer, attn = decoder.layers[0], target.model.model.layers[0].self_attn
+    q_rows = attn.q_proj.weight.shape[0]
+    assert torch.equal(layer.qkv[q_rows:q_rows + attn.k_proj.weight.shape[0]], attn.k_proj.weight)
+    assert layer.o.data_ptr() == attn.o_proj.weight.data_ptr()  # unfused weights: the model's own storage
+    other = dataclasses.replace(target, model=copy.deepcopy(target.model).float())  # another dtype: its own
     assert lean_decoder(other, triton=False).layers[0].qkv.dtype == torch.float32
-    attn = target.model.model.layers[0].self_attn
-    assert attn.k_proj.weight.data_ptr() == decoder.layers[0].qkv[attn.q_proj.weight.shape[0]:].data_ptr()
+
+
+def test_fused_weights_are_a_view_when_the_parts_lie_back_to_back():
+    """q/k/v (gate/up) stored in one buffer, row after row, fuse without a copy; apart, they are copied."""
+    target = tiny_target("llama", vocab=32, dtype=torch.float64)
+    mlp = target.model.model.layers[0].mlp
+    apart = LeanDecoder(target.model, DecoderOps.reference()).layers[0].gate_up
+    assert apart.data_ptr() not in (mlp.gate_proj.weight.data_ptr(), mlp.up_proj.weight.data_ptr())
+    with torch.no_grad():  # the caller keeps gate and up in one storage
+        both = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        rows = mlp.gate_proj.weight.shape[0]
+        mlp.gate_proj.weight = torch.nn.Parameter(both[:rows], requires_grad=False)
+        mlp.up_proj.weight = torch.nn.Parameter(both[rows:], requires_grad=False)
+    shared = LeanDecoder(target.model, DecoderOps.reference()).layers[0].gate_up
+    assert shared.data_ptr() == both.data_ptr() and torch.equal(shared, both)
 
 
 @pytest.mark.parametrize("mode, options", [

@@ -12,7 +12,7 @@ import torch
 
 from engine_helpers import tiny_target  # noqa: E402
 
-from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder  # noqa: E402
+from dominospec.models.lean import DecoderOps, LeanDecoder  # noqa: E402
 from dominospec.engine.lean_kv import LeanTargetKV  # noqa: E402
 from dominospec.engine.verify_shape import branch_tree  # noqa: E402
 

@@ -19,7 +19,7 @@ import torch
 from engine_helpers import tiny_draft, tiny_target
 
 from dominospec.engine.domino_tree import grow_tree
-from dominospec.engine.lean_decoder import DecoderOps, LeanDecoder
+from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.engine.lean_kv import LeanTargetKV, row_buckets
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import words_for

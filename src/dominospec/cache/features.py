@@ -1,7 +1,7 @@
 """Target features: which layers, and one batched forward that returns their outputs.
 
-Layer l is the output of decoder layer l, the raw residual stream, which HF returns as
-`hidden_states[l+1]` with `output_hidden_states=True`. `target_hidden` runs the target's base model
+Layer l is the output of decoder layer l, the raw residual stream (cache.tap, which collects the
+outputs of the wanted layers). `target_hidden` runs the target's base model
 (no LM head) and stops after the deepest layer needed; `target_hidden_and_next` (the cache) runs
 the whole model and also returns the target's greedy next token at every position.
 """
@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 
-from dominospec.errors import UserError
+from dominospec.cache.tap import FeatureTap
 from dominospec.config import CacheParams
+from dominospec.errors import UserError
 from dominospec.target import default_layer_ids
 
 
@@ -37,46 +38,15 @@ def resolve_layer_ids(params: CacheParams, num_layers: int) -> list[int]:
     return ids
 
 
-class _StopForward(Exception):
-    """Raised by the hook on the deepest needed layer: nothing after it is computed."""
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """HF causal LM -> its list of decoder layers (`model.base_model.layers`)."""
-    layers: Optional[torch.nn.ModuleList] = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise UserError(f"target {type(model).__name__}: no decoder layer list at base_model.layers")
-    return layers
-
-
 def _run_capturing(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    layer_ids: list[int], stop: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The base model's forward with the outputs of `layer_ids` captured -> (target_hidden
+    """The base model's forward with the outputs of `layer_ids` tapped -> (target_hidden
     [B, T, n*H], last hidden state [B, T, H] after the final norm, or None when `stop` cut the
-    forward after the deepest captured layer)."""
-    layers = decoder_layers(model)
-    outputs: dict[int, torch.Tensor] = {}
-    deepest = layer_ids[-1]
-
-    def capture(layer_id: int):
-        def hook(_module: torch.nn.Module, _args: object, output: object) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output  # [B, T, H]
-            outputs[layer_id] = hidden
-            if stop and layer_id == deepest:
-                raise _StopForward
-
-        return hook
-
-    handles = [layers[l].register_forward_hook(capture(l)) for l in layer_ids]
-    last = None
-    try:
+    forward after the deepest tapped layer)."""
+    tap, last = FeatureTap(layer_ids), None
+    with tap.hooked(model, stop=stop):
         last = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    except _StopForward:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.cat([outputs[l] for l in layer_ids], dim=-1), last  # [B, T, n*H], [B, T, H] | None
+    return tap.features(), last  # [B, T, n*H], [B, T, H] | None
 
 
 @torch.inference_mode()
@@ -111,6 +81,7 @@ def target_hidden_and_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T], attention_mask [B, T] -> (target_hidden [B, T, n*H], logits [B, T, V]):
     the whole forward, for distillation; logits[:, t] is the target's next-token prediction after x[t]."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
-    hidden = torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1)  # [B, T, n*H]
-    return hidden, out.logits
+    tap = FeatureTap(layer_ids)
+    with tap.hooked(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return tap.features(), logits  # [B, T, n*H], [B, T, V]

@@ -1,4 +1,4 @@
-"""The draft's side of a round on the lean decoder's fused ops (engine.lean_decoder), beside engine.draft_block.
+"""The draft's side of a round on the lean decoder's fused ops (models.lean), beside engine.draft_block.
 
 `LeanDraftBlock` has `StaticDraftBlock`'s interface: `block(features [1, S, n*H] or None, x_start
 [1], start, K) -> (z [K, H], base logits u [K, V])`, `extend(features)`, `crop(n)`, `reset()`,
@@ -26,20 +26,21 @@ import torch.nn.functional as F
 
 from dominospec.engine.draft_block import GraphedBlock
 from dominospec.engine.graphs import ShapeGraphs
-from dominospec.engine.lean_decoder import DecoderOps, LeanStack, built_once, pack_layer
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.models.domino.modeling_domino import rope_cos_sin
+from dominospec.models.lean import DecoderOps, LeanStack, pack_layer
 
 Output = tuple[torch.Tensor, torch.Tensor]
 
 
 class LeanDraft:
-    """A Domino / DFlash draft's backbone on the fused ops: context append and block forward."""
+    """A Domino / DFlash draft's backbone on the fused ops: context append and block forward. The
+    draft's modules are left as they are; its fused q/k/v and gate/up are copies (models.lean)."""
 
     def __init__(self, draft: DFlashDraftModel, ops: DecoderOps):
         config = draft.config
-        self.config, self.fc, self.hidden_norm = config, draft.fc.weight, draft.hidden_norm.weight
-        self.stack = LeanStack(ops, [pack_layer(layer) for layer in draft.layers], draft.norm.weight,
+        self.config, self.fc, self.hidden_norm = config, draft.fc.weight.detach(), draft.hidden_norm.weight.detach()
+        self.stack = LeanStack(ops, [pack_layer(layer) for layer in draft.layers], draft.norm.weight.detach(),
                                int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim),
                                float(config.rms_norm_eps))
         self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) [positions, D]
@@ -79,13 +80,7 @@ class LeanDraft:
               values: torch.Tensor, workspace: Any = None) -> torch.Tensor:
         """Block embeddings [B, H] at positions slot..slot+B-1 -> z [B, H] (the final norm's output)."""
         cos, sin = self.rope(slot + torch.arange(embeds.shape[0], device=slot.device), embeds.dtype)
-        z, _ = self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace)
-        return z
-
-
-def lean_draft(draft: DFlashDraftModel, triton: bool) -> LeanDraft:
-    """The draft's lean backbone (built once per draft module and kind of ops)."""
-    return built_once(draft, triton, LeanDraft)
+        return self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace)
 
 
 class LeanDraftBlock(GraphedBlock):

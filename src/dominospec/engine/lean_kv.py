@@ -1,4 +1,4 @@
-"""The target's forwards on the lean decoder (engine.lean_decoder), as the engine runs them.
+"""The target's forwards on the lean decoder (models.lean), as the engine runs them.
 
 `LeanTargetKV` is a third runner beside engine.target_kv's two, with their interface:
 `forward(ids [1, T], keep, tree=None) -> (logits [1, keep, V], features [1, T, n*H] or None)`,
@@ -16,16 +16,6 @@ are dropped. The attention reads only cache rows below start + rows, so the cost
 the context, not the capacity, and a verify of a tree costs what a chain of its bucket does.
 Longer forwards (the prompt) run eagerly as one causal chain.
 
-`select(rows)`, `crop(n)`, `reset()`, `length`. Its KV cache is the decoder's own pair of
-[layers, Hkv, capacity, D] tensors, written in place.
-
-Every forward of 1..`max_rows` rows (<= 64) is one CUDA graph per T (engine.graphs) whose inputs
-are static buffers: the ids, the rows' depths and their visibility bitmasks (a chain's by default,
-a tree's copied in from its cached `Tree.bits`: no host work), and the write position `start`, a
-device scalar. The attention reads only cache rows below start + T, so the cost of a forward follows
-the context, not the capacity, and a verify of 64 tree rows costs what a chain of 64 does.
-Longer forwards (the prompt) run eagerly as one causal chain.
-
 `select(rows)` (a tree's winning branch into place) is one gather of every layer's rows at once,
 four launches whatever the depth of the model.
 """
@@ -36,9 +26,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from dominospec.cache.tap import FeatureTap
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.lean_decoder import LeanDecoder
 from dominospec.engine.verify_shape import MAX_TREE_ROWS, Tree, chain_tree, pack_bits
+from dominospec.models.lean import LeanDecoder
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -95,8 +86,10 @@ class LeanTargetKV(FixedRows):
             self.start.fill_(self.length)
             self.first = self.length
             depth = torch.arange(T, device=ids.device)
-            logits, features = self.decoder.forward(ids[0], self.start, depth, None, self.keys, self.values, keep,
-                                                    self.layer_ids, chain_start=self.length)
+            tap = FeatureTap(self.layer_ids)
+            logits = self.decoder.forward(ids[0], self.start, depth, None, self.keys, self.values, keep, tap,
+                                          chain_start=self.length)
+            features = tap.features()
         else:
             B = self.bucket(T)
             self.check_room(B)  # the padded rows write past the real ones
@@ -134,8 +127,12 @@ class LeanTargetKV(FixedRows):
 
     def _step(self, B: int):
         """B -> the graph's function: the forward of the static buffers of B rows at `start`."""
-        return lambda: self.decoder.forward(self.ids[B], self.start, self.depth[B], self.bits[B], self.keys,
-                                            self.values, B, self.layer_ids, workspace=self.workspaces[B])
+        def step() -> Output:
+            tap = FeatureTap(self.layer_ids)
+            logits = self.decoder.forward(self.ids[B], self.start, self.depth[B], self.bits[B], self.keys, self.values,
+                                          B, tap, workspace=self.workspaces[B])
+            return logits, tap.features()
+        return step
 
 
 def _alone_bits(rows: int, device: torch.device) -> torch.Tensor:

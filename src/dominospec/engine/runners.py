@@ -1,5 +1,5 @@
 """The runners one engine decodes on, chosen once: dynamic caches, static caches (CUDA graphs on a
-GPU, transformers' forward), or the lean decoder (engine.lean_decoder, its own caches and kernels).
+GPU, transformers' forward), or the lean decoder (models.lean, its own caches and kernels).
 
 `static_caches(params)` -> (static caches, CUDA graphs): what `engine.cuda_graphs` gives on this
 machine, decided before the draft path, whose rollout and tree graphs follow it too.
@@ -22,13 +22,14 @@ import torch
 
 from dominospec.config import EngineParams
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.lean_decoder import lean_decoder, unsupported
-from dominospec.engine.lean_draft import LeanDraftBlock, lean_draft
+from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
+from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
+from dominospec.target import Target
 
 if TYPE_CHECKING:
     from dominospec.engine.draft_path import DraftPath
@@ -62,15 +63,28 @@ def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
     return buckets + [capacity]
 
 
+def lean_decoder(target: Target, triton: bool) -> LeanDecoder:
+    """The target's lean decoder on the Triton kernels (`triton`) or their references, built once and
+    kept on the target (`Target.lean`) for every engine on it: it holds a copy of the fused q/k/v
+    and gate/up weights (models.lean)."""
+    ops = DecoderOps.on(triton)
+    if ops.name not in target.lean:
+        target.lean[ops.name] = LeanDecoder(target.model, ops)
+    return target.lean[ops.name]
+
+
 class EngineRunners:
     """One engine's runners (module docstring). `max_rows`: the widest forward after the prompt (the
     verify of x_start and a round's proposal, or the draft block); `static`, `graphs`: `static_caches`;
     `path`: the draft as the engine runs it (engine.draft_path; None without a draft), whose model,
-    LM head, MASK embeddings and target layers the draft block runners take."""
+    LM head, MASK embeddings and target layers the draft block runners take. The target's lean
+    decoder is the target's (`lean_decoder`, shared by its engines); the draft's lean backbone is
+    this engine's own."""
 
-    def __init__(self, model: Any, params: EngineParams, max_rows: int, device: torch.device, static: bool,
+    def __init__(self, target: Target, params: EngineParams, max_rows: int, device: torch.device, static: bool,
                  graphs: bool, packed: bool, embed_tokens: Any = None, path: Optional["DraftPath"] = None):
-        self.model, self.params, self.max_rows, self.device = model, params, max_rows, device
+        self.target, self.model = target, target.model
+        self.params, self.max_rows, self.device = params, max_rows, device
         self.static, self.graphs = static, graphs
         self.embed_tokens = embed_tokens
         self.draft = self.draft_lm_head = self.mask_embeds = self.head = self.grower = None
@@ -100,9 +114,9 @@ class EngineRunners:
             raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
                             "(lower engine.tree.width / tree.nodes / ngram_num_draft, or set lean_target: auto)")
         triton = self.device.type == "cuda"
-        self.lean = lean_decoder(self.model, triton)
+        self.lean = lean_decoder(self.target, triton)
         if self.draft is not None:
-            self.lean_draft = lean_draft(self.draft, triton)
+            self.lean_draft = LeanDraft(self.draft, DecoderOps.on(triton))
 
     def capacities(self) -> list[int]:
         """The static caches' capacity buckets (`static_buckets`)."""

@@ -93,7 +93,7 @@ class SpecEngine:
         self.lookup_k_max = self.num_draft if mode == "ngram" else (params.ngram_num_draft if params.ngram_assist and
                                                                       self.draft is not None else 0)
         self.proposer = self._proposer(mode)
-        self.runners = EngineRunners(self.model, params, max(self.block_size, self.max_verify) + 1, self.device,
+        self.runners = EngineRunners(self.target, params, max(self.block_size, self.max_verify) + 1, self.device,
                                      self.static_cache, self.cuda_graphs, self.packed, target.embed_tokens, self.path)
 
     def _k_max(self, num_draft: Union[int, str, None]) -> int:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from dominospec.engine.features import FeatureTap
+from dominospec.cache.tap import FeatureTap
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.engine.kv import cache_argument, crop_kv, kv_length, move_rows
 from dominospec.engine.verify_shape import Tree, chain_tree
@@ -60,7 +60,8 @@ class DynamicTargetKV:
             cached = torch.ones(T, self.start, dtype=torch.bool, device=ids.device)
             kwargs = {"position_ids": (self.start + tree.depth)[None],
                       "attention_mask": torch.cat([cached, tree.mask()], dim=1)[None, None]}
-        with FeatureTap(self.model, self.layer_ids) as tap:
+        tap = FeatureTap(self.layer_ids)
+        with tap.hooked(self.model):
             out = self.model(input_ids=ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep,
                              **kwargs)
         return out.logits, tap.features()
@@ -137,7 +138,8 @@ class StaticTargetKV(FixedRows):
                   "use_cache": True, "logits_to_keep": keep}
         if self.takes_cache_position:
             kwargs["cache_position"] = positions
-        with FeatureTap(self.model, self.layer_ids) as tap:
+        tap = FeatureTap(self.layer_ids)
+        with tap.hooked(self.model):
             out = self.model(input_ids=ids, **kwargs)
         return out.logits, tap.features()
 

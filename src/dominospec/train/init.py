@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from dominospec.cache.tap import decoder_layers
 from dominospec.errors import UserError
 
 
 @torch.no_grad()
 def init_from_target(draft: torch.nn.Module, target_model: torch.nn.Module, layer_ids: list[int]) -> None:
     """Copy target decoder layers into the draft's layers in place (see the module docstring)."""
-    layers = target_model.base_model.layers
+    layers = decoder_layers(target_model)
     H = draft.config.hidden_size
     for i, layer in enumerate(draft.layers):
         source = layers[min(layer_ids[-1] + 1 + i, len(layers) - 1)]
