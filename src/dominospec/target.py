@@ -152,6 +152,11 @@ def load_target(params: TargetParams, device: Optional[torch.device] = None) -> 
     except (OSError, ValueError) as err:
         raise TargetError(f"target.model: cannot load '{params.model}': {err}") from err
     model.to(device).eval().requires_grad_(False)
+    if device.type == "cuda":  # the engine's lean decoder then fuses q/k/v and gate/up as views, no copy
+        from dominospec.models.lean import share_storage, unsupported
+
+        if unsupported(model) is None:
+            share_storage(model)
 
     cfg = model.config
     revision = getattr(cfg, "_commit_hash", None) if is_hub else None

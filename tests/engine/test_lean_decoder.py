@@ -22,7 +22,7 @@ from dominospec.engine.runners import lean_decoder
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree
 from dominospec.errors import UserError
-from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
+from dominospec.models.lean import DecoderOps, LeanDecoder, share_storage, unsupported
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=128)
 LEAN = dataclasses.replace(STATIC, lean_target="on")
@@ -146,6 +146,22 @@ def test_fused_weights_are_a_view_when_the_parts_lie_back_to_back():
         mlp.up_proj.weight = torch.nn.Parameter(both[rows:], requires_grad=False)
     shared = LeanDecoder(target.model, DecoderOps.reference()).layers[0].gate_up
     assert shared.data_ptr() == both.data_ptr() and torch.equal(shared, both)
+
+
+def test_share_storage_makes_every_fusion_a_view_and_keeps_the_model():
+    """The loader's share_storage (on CUDA) lays q/k/v and gate/up back to back: the same values and
+    logits, and the lean decoder then fuses them without a copy."""
+    target = tiny_target("qwen3", vocab=32, dtype=torch.float64)
+    ids = torch.tensor([[1, 5, 7, 3]])
+    before = {name: p.clone() for name, p in target.model.named_parameters()}
+    logits = target.model(ids).logits
+    share_storage(target.model)
+    assert all(torch.equal(p, before[name]) for name, p in target.model.named_parameters())
+    assert torch.equal(target.model(ids).logits, logits)
+    decoder = LeanDecoder(target.model, DecoderOps.reference())
+    for layer, lean in zip(target.model.model.layers, decoder.layers):
+        assert lean.qkv.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert lean.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
 
 
 @pytest.mark.parametrize("mode, options", [
