@@ -24,7 +24,7 @@ and gate/up projections are one matrix each here (`W_qkv` [(Hq+2Hkv)·D, H], `W_
 a view when the model already keeps the parts back to back in one storage, else a copy, which the
 decoder owns. The copy would be (Hq+2Hkv)·D·H + 2·I·H elements a layer, a little over half of a
 Llama / Qwen3 model's weights (4.5 B of Qwen3-8B's 8.2 B), so the target's loader lays the parts
-back to back on CUDA (`share_storage`, dominospec.target.load_target) and the decoder then costs no
+back to back on CUDA (dominospec.target.share_storage) and the decoder then costs no
 weight memory. Build it once per model and kind of ops, and share it (engine.runners.lean_decoder).
 
 The KV cache is the caller's: keys and values [layers, Hkv, C, D] (`new_cache`). A forward of T
@@ -153,23 +153,6 @@ def fused(weights: Sequence[torch.Tensor]) -> torch.Tensor:
         if adjacent:
             return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
         return torch.cat([w.detach() for w in weights], dim=0)
-
-
-def share_storage(model: Any) -> None:
-    """Lay each decoder layer's q/k/v weights, and its gate/up weights, back to back in one storage,
-    in place, so that `fused` takes views and the lean decoder adds no weight memory. For the
-    model's loader, which owns the model (dominospec.target.load_target on CUDA): the values and
-    the model's forward are unchanged; the Parameters are new views, one layer's copy at a time."""
-    with torch.no_grad():
-        for layer in model.base_model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-                linears = [getattr(owner, name) for name in names]
-                both, at = torch.cat([linear.weight for linear in linears]), 0
-                for linear in linears:
-                    rows = linear.weight.shape[0]
-                    linear.weight = torch.nn.Parameter(both[at:at + rows], requires_grad=linear.weight.requires_grad)
-                    at += rows
 
 
 def pack_layer(layer: Any) -> LeanLayer:

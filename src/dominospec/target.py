@@ -153,10 +153,7 @@ def load_target(params: TargetParams, device: Optional[torch.device] = None) -> 
         raise TargetError(f"target.model: cannot load '{params.model}': {err}") from err
     model.to(device).eval().requires_grad_(False)
     if device.type == "cuda":  # the engine's lean decoder then fuses q/k/v and gate/up as views, no copy
-        from dominospec.models.lean import share_storage, unsupported
-
-        if unsupported(model) is None:
-            share_storage(model)
+        share_storage(model)
 
     cfg = model.config
     revision = getattr(cfg, "_commit_hash", None) if is_hub else None
@@ -170,6 +167,26 @@ def load_target(params: TargetParams, device: Optional[torch.device] = None) -> 
         vocab_size=model.get_input_embeddings().weight.shape[0],
     )
     return Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
+
+
+def share_storage(model: Any) -> None:
+    """Lay each decoder layer's q/k/v weights, and its gate/up weights, back to back in one storage,
+    in place, so that the lean decoder (models.lean) fuses them as views and adds no weight memory
+    (a copy would be over half of a Llama / Qwen3 model). For the loader, which owns the model: the
+    values and the forward are unchanged; the Parameters become views, one layer's copy at a time.
+    Layers without these projections are left as they are."""
+    with torch.no_grad():
+        for layer in getattr(model.base_model, "layers", []):
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+                linears = [getattr(owner, name, None) for name in names]
+                if any(getattr(linear, "weight", None) is None for linear in linears):
+                    continue
+                both, at = torch.cat([linear.weight for linear in linears]), 0
+                for linear in linears:
+                    rows = linear.weight.shape[0]
+                    linear.weight = torch.nn.Parameter(both[at:at + rows], requires_grad=linear.weight.requires_grad)
+                    at += rows
 
 
 def default_layer_ids(num_layers: int, n: int) -> list[int]:

@@ -22,7 +22,8 @@ from dominospec.engine.runners import lean_decoder
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree
 from dominospec.errors import UserError
-from dominospec.models.lean import DecoderOps, LeanDecoder, share_storage, unsupported
+from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
+from dominospec.target import share_storage
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=128)
 LEAN = dataclasses.replace(STATIC, lean_target="on")

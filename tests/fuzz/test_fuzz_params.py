@@ -33,17 +33,20 @@ def write(text: bytes) -> Path:
 
 def mutate(raw: dict, key: str, op: str, value) -> str:
     """Apply one edit to the params dict -> the dotted key the error must name."""
-    section, _, name = key.partition(".")
+    *path, name = key.split(".")  # nested sections: engine.tree.children
+    parent = raw
+    for part in path:
+        parent = parent[part]
     if op == "delete":
-        del raw[section][name]
+        del parent[name]
     elif op == "add":
-        raw[section][name + "_x"] = value
+        parent[name + "_x"] = value
         return key + "_x"
     elif op == "section":
-        raw[section] = value
-        return section
+        raw[path[0]] = value
+        return path[0]
     else:
-        raw[section][name] = value
+        parent[name] = value
     return key
 
 
@@ -63,7 +66,10 @@ def test_one_edit_loads_typed_or_names_the_key(key, op, value):
     assert op in ("replace", "section")  # deleted and unknown keys never load
     flat = as_flat_dict(params)
     assert set(flat) == set(KEYS)
-    if op == "replace" and isinstance(value, str) and isinstance(BASE[key.split(".")[0]][key.split(".")[1]], float):
+    base = BASE
+    for part in key.split("."):
+        base = base[part]
+    if op == "replace" and isinstance(value, str) and isinstance(base, float):
         assert isinstance(flat[key], float)
 
 
