@@ -51,6 +51,16 @@ def gru_cell_reference(token: torch.Tensor, state: torch.Tensor, w_hh: torch.Ten
 
 
 @triton.jit
+def gru_update(gi_r, gi_z, gi_n, gh_r, gh_z, gh_n, s):
+    """The cell's gates in fp32 from the input gates gi and gh = W_hh · s (each r, z, n) and the state
+    s -> s' = (1 - z) · n + z · s, unrounded. Every kernel that steps the GRU calls this."""
+    r = tl.sigmoid(gi_r + gh_r)
+    z = tl.sigmoid(gi_z + gh_z)
+    n = 2.0 * tl.sigmoid(2.0 * (gi_n + r * gh_n)) - 1.0  # tanh(x) = 2σ(2x) - 1
+    return (1.0 - z) * n + z * s
+
+
+@triton.jit
 def _gate_gemv(w_ptr, x_ptr, offs_g, mask_g, G, K, stride_w, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
     """W [3G, K] . x [K] for the r, z, n rows of this tile -> three fp32 [BLOCK_G]."""
     acc_r = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -89,11 +99,8 @@ def _gru_cell_fwd_kernel(
     else:
         gi_r, gi_z, gi_n = _gate_gemv(w_ih_ptr, embed_ptr + token * stride_embed, offs_g, mask_g, G, H,
                                       stride_w_ih, BLOCK_G, BLOCK_K)
-    r = tl.sigmoid(gi_r + gh_r)
-    z = tl.sigmoid(gi_z + gh_z)
-    n = 2.0 * tl.sigmoid(2.0 * (gi_n + r * gh_n)) - 1.0  # tanh(x) = 2σ(2x) - 1
     s = tl.load(state_row + offs_g, mask=mask_g, other=0.0).to(tl.float32)
-    s_next = (1.0 - z) * n + z * s
+    s_next = gru_update(gi_r, gi_z, gi_n, gh_r, gh_z, gh_n, s)
     tl.store(out_ptr + row * stride_out + offs_g, s_next.to(out_ptr.dtype.element_ty), mask=mask_g)
 
 

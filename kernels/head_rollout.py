@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dominospec.kernels.gru_cell import GruWeights, gru_weights
+from dominospec.kernels.gru_cell import GruWeights, gru_update, gru_weights
 
 # ---- result -----------------------------------------------------------------------------------
 
@@ -216,10 +216,7 @@ def _gru_step_kernel(
             gi_r = tl.load(table_ptr + offs_g, mask=mask_g, other=0.0)
             gi_z = tl.load(table_ptr + G + offs_g, mask=mask_g, other=0.0)
             gi_n = tl.load(table_ptr + 2 * G + offs_g, mask=mask_g, other=0.0)
-        rg = tl.sigmoid(gi_r + gh_r)
-        zg = tl.sigmoid(gi_z + gh_z)
-        ng = 2.0 * tl.sigmoid(2.0 * (gi_n + rg * gh_n)) - 1.0  # tanh(x) = 2σ(2x) - 1
-        s_next = ((1.0 - zg) * ng + zg * s).to(out_ptr.dtype.element_ty)  # rounded as stored
+        s_next = gru_update(gi_r, gi_z, gi_n, gh_r, gh_z, gh_n, s).to(out_ptr.dtype.element_ty)  # rounded as stored
         tl.store(out_ptr + offs_g, s_next, mask=mask_g)
         piece = tl.sum(w1 * s_next.to(tl.float32)[:, None], axis=0)  # masked rows: s' = 0
         tl.store(hpart_ptr + pid * r + offs_r, piece, mask=offs_r < r)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dominospec.kernels.gru_cell import gru_update
 from dominospec.kernels.head_rollout import HeadWeights
 
 # ---- weights and result -----------------------------------------------------------------------
@@ -117,10 +118,7 @@ def _gates_kernel(tokens_ptr, parents_ptr, prev_state_ptr, proj_ptr, table_ptr, 
     gi_r = tl.load(gi_row + offs_g, mask=mask_g, other=0.0).to(tl.float32)
     gi_z = tl.load(gi_row + G + offs_g, mask=mask_g, other=0.0).to(tl.float32)
     gi_n = tl.load(gi_row + 2 * G + offs_g, mask=mask_g, other=0.0).to(tl.float32)
-    rg = tl.sigmoid(gi_r + gh_r)
-    zg = tl.sigmoid(gi_z + gh_z)
-    ng = 2.0 * tl.sigmoid(2.0 * (gi_n + rg * gh_n)) - 1.0  # tanh(x) = 2σ(2x) - 1
-    s = (1.0 - zg) * ng + zg * s_prev
+    s = gru_update(gi_r, gi_z, gi_n, gh_r, gh_z, gh_n, s_prev)
     tl.store(state_ptr + i * G + offs_g, s.to(state_ptr.dtype.element_ty), mask=mask_g)
 
 

@@ -261,16 +261,12 @@ def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int
     pooled = 0 < pool_size < vocab
     if head_kernel != "triton" or (pool_size if pooled else vocab) > MAX_KERNEL_POOL:
         return None, None
+    from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
+    from dominospec.kernels.tree_grow import tree_weights
+
+    if pooled and dtype not in KEY_BITS:  # checked before the head (and its GRU table) is prepared
+        return None, None
     head = prepare_head_kernels(draft, embed_tokens)
     if head.gru.table is None:
         return None, None
-    from dominospec.kernels.tree_grow import tree_weights
-
-    pool = None
-    if pooled:
-        from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
-
-        if dtype not in KEY_BITS:
-            return None, None
-        pool = pool_workspace(vocab, pool_size, dtype, device)
-    return tree_weights(head), pool
+    return tree_weights(head), pool_workspace(vocab, pool_size, dtype, device) if pooled else None
