@@ -21,6 +21,7 @@ import itertools
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from engine_helpers import engine_params, random_prompts, repetitive_prompts, stats_equal_to_ar, streaming_cost, tiny_draft, tiny_target
@@ -30,7 +31,7 @@ from scipy.stats import chi2
 import dominospec.engine.accept as accept_module
 from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.domino_tree import ancestor_bits, grow_tree
-from dominospec.engine.policy import RoundCost
+from dominospec.engine.policy import PRIOR, PRIOR_WEIGHT, RoundCost
 from dominospec.engine.draft_head import candidate_pool
 from dominospec.engine.accept import GreedyWalk, accept_sampled
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
@@ -241,7 +242,7 @@ def test_tree_model_survival_by_hand_and_its_prior():
     model.update(2, [(1, 1)])  # only ranks 0, 1 verified; rank 1 accepted at depth 1
     model.update(4, [])
     assert not model.unseen
-    shares = model.rank_shares()
+    shares = model.rank_shares().tolist()
     tried01, tried23 = (k + 1) * k + 1, k * k + 1
     assert shares[0] == pytest.approx([(k * k + 0.5) / (tried01 + 1), 0.0, 0.0])  # prior: a first draft half the time
     assert shares[1] == pytest.approx([(k + shares[0][0]) / (tried01 + 1), 0.0, 0.0])
@@ -255,6 +256,25 @@ def test_tree_model_survival_by_hand_and_its_prior():
         assert all(a >= b for a, b in zip(row, row[1:])) and max(row) <= 1.0
     for lo, hi in zip(s, s[1:]):
         assert all(a <= b + 1e-12 for a, b in zip(lo, hi))
+
+
+def test_tree_model_shares_in_blocks_equal_the_plain_recurrence():
+    """The blocked solve of share[r] = (hit[r] + w share[r-1]) / (tried[r] + w) against the loop, over
+    several blocks and a padded last one, with counts large enough that b's products underflow."""
+    rng = random.Random(1)
+    for nodes, window, rounds in [(100, 8, 40), (256, 1000, 400), (33, 4, 5), (1, 8, 3)]:
+        model = TreeModel(nodes, 5, window)
+        for _ in range(rounds):
+            verified = rng.randint(0, nodes)
+            ranks = sorted(rng.sample(range(nodes), min(nodes, rng.randint(0, 5))))
+            model.update(verified, [(r, d + 1) for d, r in enumerate(ranks)])
+        expected, prior = [], [PRIOR] + [0.0] * 4
+        for tried, hit in zip(model.tried.tolist(), model.hit.tolist()):
+            prior = [(h + PRIOR_WEIGHT * p) / (tried + PRIOR_WEIGHT) for h, p in zip(hit, prior)]
+            expected.append(prior)
+        got = model.rank_shares()
+        assert got.shape == (nodes, 5)
+        assert np.allclose(got, expected, rtol=1e-12, atol=1e-300)
 
 
 def test_choose_nodes_against_brute_force():

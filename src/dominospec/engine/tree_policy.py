@@ -30,37 +30,57 @@ from dominospec.engine.policy import PRIOR, PRIOR_WEIGHT, RoundCost
 
 
 class TreeModel:
-    """Decayed counts of which rank's node the accepted path passed through at each depth (module docstring)."""
+    """Decayed counts of which rank's node the accepted path passed through at each depth (module docstring).
+
+    Arrays, so that a round's plan costs tens of microseconds at N = 256 (the host, not the GPU, bounds
+    a DominoTree round on a small target): tried [N], hit [N, depth]."""
+
+    BLOCK = 32  # ranks per block of the shares' recurrence (`rank_shares`)
 
     def __init__(self, nodes: int, depth: int, window: int):
         self.nodes, self.depth, self.keep = nodes, depth, 1.0 - 1.0 / max(window, 1)
-        self.tried = [0.0] * nodes  # tried[r]: rounds whose verified tree held the node of rank r
-        self.hit = [[0.0] * depth for _ in range(nodes)]  # hit[r][k-1]: of those, rank r was the path's depth-k node
+        self.tried = np.zeros(nodes)  # tried[r]: rounds whose verified tree held the node of rank r
+        self.hit = np.zeros((nodes, depth))  # hit[r, k-1]: of those, rank r was the path's depth-k node
 
     @property
     def unseen(self) -> bool:
         """No round has verified a node yet (a fresh generation's model)."""
-        return not any(self.tried)
+        return not self.tried.any()
 
     def update(self, verified: int, path: list[tuple[int, int]]) -> None:
         """One round that verified the best `verified` nodes and accepted the path [(rank, depth), ...]
         (empty: nothing accepted, or a round without the tree when `verified` is 0)."""
-        for r in range(self.nodes):
-            self.tried[r] *= self.keep
-            self.hit[r] = [h * self.keep for h in self.hit[r]]
-        for r in range(min(verified, self.nodes)):
-            self.tried[r] += 1.0
+        self.tried *= self.keep
+        self.hit *= self.keep
+        seen = min(verified, self.nodes)
+        self.tried[:seen] += 1.0
         for rank, depth in path:
-            if rank < min(verified, self.nodes) and 1 <= depth <= self.depth:
-                self.hit[rank][depth - 1] += 1.0
+            if rank < seen and 1 <= depth <= self.depth:
+                self.hit[rank, depth - 1] += 1.0
 
-    def rank_shares(self) -> list[list[float]]:
-        """-> [N][depth]: the estimated share of rounds in which rank r was the path's depth-k node."""
-        out, prior = [], [PRIOR] + [0.0] * (self.depth - 1)
-        for tried, hit in zip(self.tried, self.hit):
-            prior = [(h + PRIOR_WEIGHT * p) / (tried + PRIOR_WEIGHT) for h, p in zip(hit, prior)]
-            out.append(prior)
-        return out
+    def rank_shares(self) -> np.ndarray:
+        """-> [N, depth]: the estimated share of rounds in which rank r was the path's depth-k node,
+        share[r] = (hit[r] + w share[r-1]) / (tried[r] + w), share[-1] = the prior (a first draft
+        PRIOR of the time).
+
+        The recurrence share[r] = a[r] + b[r] share[r-1] (a = hit / (tried + w), b = w / (tried + w)
+        in (0, 1]) is solved in blocks of BLOCK ranks: inside a block, share = M a + P share_in with
+        M[i, j] = b[j+1] ... b[i] (j <= i) and P[i] = b[0] ... b[i], from log-cumsums whose
+        differences are <= 0 (no overflow); the blocks then chain one after another."""
+        B, N, D = self.BLOCK, self.nodes, self.depth
+        den = self.tried + PRIOR_WEIGHT
+        blocks, pad = -(-N // B), -N % B
+        a = np.concatenate([self.hit / den[:, None], np.zeros((pad, D))]).reshape(blocks, B, D)
+        log_b = np.concatenate([np.log(PRIOR_WEIGHT / den), np.zeros(pad)]).reshape(blocks, B)
+        L = np.cumsum(log_b, axis=1)  # [blocks, B]: log of b[block start] ... b[i]
+        M = np.tril(np.exp(np.minimum(L[:, :, None] - L[:, None, :], 0.0)))  # [blocks, B, B]
+        inside, carried = M @ a, np.exp(L)[:, :, None]  # [blocks, B, D], [blocks, B, 1]
+        share_in = np.zeros(D)
+        share_in[0] = PRIOR
+        for block in range(blocks):
+            inside[block] += carried[block] * share_in
+            share_in = inside[block, -1]
+        return inside.reshape(blocks * B, D)[:N]
 
     def survival(self) -> list[list[float]]:
         """-> s[n][k-1] = P(the best n nodes accept >= k drafts), n = 0..N, k = 1..depth: non-increasing
@@ -70,8 +90,7 @@ class TreeModel:
     def survival_array(self) -> np.ndarray:
         """`survival` as an array [N + 1, depth] (float64): the prefix sums of the rank shares, capped at
         1 and made non-increasing along the depth (a round's policy reads it at every budget)."""
-        shares = np.asarray(self.rank_shares(), dtype=np.float64).reshape(self.nodes, self.depth)
-        acc = np.vstack([np.zeros((1, self.depth)), np.cumsum(shares, axis=0)])
+        acc = np.vstack([np.zeros((1, self.depth)), np.cumsum(self.rank_shares(), axis=0)])
         return np.minimum.accumulate(np.minimum(acc, 1.0), axis=1)
 
 
