@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from dominospec.bench import environment, log, write_json
-    from dominospec.kernels.tree_attention import causal_bits, default_splits, tree_attention, tree_attention_workspace
+    from dominospec.kernels.tree_attention import causal_bits, default_block_n, default_splits, tree_attention, tree_attention_workspace
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
@@ -41,7 +41,7 @@ def main() -> None:
         start = torch.tensor(args.context, device=device)
         bits = causal_bits(T, device)
         base_splits = default_splits(T, Hq, Hkv, device)
-        configs = [("default", 64, 4, base_splits)] + [
+        configs = [("default", default_block_n(D), 4, base_splits)] + [
             (f"block {n}, span {s}, splits {x}", n, s, x)
             for n, s, x in itertools.product((32, 64, 128), (1, 2, 4), (base_splits, 2 * base_splits))]
         reference = None

@@ -202,6 +202,7 @@ ATTN_CASES = [  # T, Hq, Hkv, D, start, bits
     (9, 2, 2, 16, 64, lambda: tree_bits(BRANCHES[:9])),  # Hq == Hkv, context of exactly one block
     (6, 4, 2, 8, 20, lambda: tree_bits(BRANCHES[:6])),  # head_dim 8 (tiny test models): padded to 16
     (3, 2, 1, 24, 5, lambda: causal_bits(3, DEVICE)),  # head_dim not a power of two
+    (17, 4, 1, 128, 45, lambda: random_bits(17, 7)),  # Qwen3's head_dim: its default block of 32 columns
     (65, 3, 1, 16, 10, lambda: causal_bits(65, DEVICE)),  # the first row of a second word
     (200, 3, 1, 16, 90, lambda: tree_bits(wide_tree(200, 3))),  # 4 words, G = 3: 10 tiles
     (320, 2, 1, 16, 0, lambda: random_bits(320, 16)),  # the widest verify, any mask, no context
@@ -226,12 +227,12 @@ def test_tree_attention_matches_reference(T, Hq, Hkv, D, start, bits, dtype):
     visible = bits()
     expected = tree_attention_reference(q, k_cache, v_cache, start_t, visible, D ** -0.5)
     assert torch.isfinite(expected).all()
-    for splits, min_span in ((1, 1), (3, 1), (3, 4)):
+    for splits, min_span, block_n in ((1, 1, 64), (3, 1, 64), (3, 4, None), (3, 1, 32)):
         workspace = tree_attention_workspace(T, Hq, Hkv, D, DEVICE, splits=splits, min_span=min_span)
-        out = tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace)
+        out = tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace, block_n=block_n)
         assert out.shape == (T, Hq, D) and out.dtype == dtype
         assert_close_scaled(out, expected, ATTN_TOL[dtype])
-        assert torch.equal(tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace), out)
+        assert torch.equal(tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace, block_n=block_n), out)
         assert not workspace.counters.any()
 
 
