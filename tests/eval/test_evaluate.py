@@ -184,7 +184,18 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
     def spy(suite, engines, *args, **kwargs):
         seen["precision"] = torch.get_float32_matmul_precision()
         seen["options"] = {mode: engine.params for mode, engine in engines.items()}
-        return run_suite(suite, engines, *args, **kwargs)
+        if "calls" in seen:  # the first suite's greedy pass is recorded
+            return run_suite(suite, engines, *args, **kwargs)
+        seen["modes"], seen["calls"] = list(engines), []
+        originals = {mode: engine.generate for mode, engine in engines.items()}
+        for mode, engine in engines.items():  # record the order the modes run in
+            monkeypatch.setattr(engine, "generate", lambda *a, _mode=mode, _run=engine.generate, **k:
+                                seen["calls"].append(_mode) or _run(*a, **k))
+        try:
+            return run_suite(suite, engines, *args, **kwargs)
+        finally:
+            for mode, engine in engines.items():
+                monkeypatch.setattr(engine, "generate", originals[mode])
 
     monkeypatch.setattr(stage, "run_suite", spy)
     torch.set_float32_matmul_precision("high")
@@ -194,6 +205,10 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
     finally:
         torch.set_float32_matmul_precision("highest")
     assert seen["precision"] == "highest"
+    modes, calls = seen["modes"], seen["calls"]  # prompt i runs every mode once, starting at mode i (rotated)
+    prompts = [calls[i:i + len(modes)] for i in range(0, len(calls), len(modes))]
+    assert len(prompts) >= 2 and all(sorted(p) == sorted(modes) for p in prompts)
+    assert [p[0] for p in prompts] == [modes[i % len(modes)] for i in range(len(prompts))]
     assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
     chain = seen["options"].pop("domino_chain")  # the configured options with a chain for a tree
     assert len({id(options) for options in seen["options"].values()}) == 1

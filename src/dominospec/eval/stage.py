@@ -225,11 +225,18 @@ def run_sampled(suite: Suite, engines: dict[str, SpecEngine], sampling: Sampling
     runs = []
     for i, ids in enumerate(suite.prompts):
         runs.append({mode: engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed + i)
-                     for mode, engine in engines.items()})
+                     for mode, engine in rotated(engines, i)})
         tree = runs[-1][TREE].stats
         print(f"[{suite.name} T={sampling.temperature} {i + 1}/{len(suite.prompts)}] τ {_fmt(tree.acceptance_length)} "
               f"(dominotree), {_fmt(runs[-1][HEAD].stats.acceptance_length)} (domino)", flush=True)
     return sampled_report(runs, sampling)
+
+
+def rotated(engines: dict[str, SpecEngine], i: int) -> list[tuple[str, SpecEngine]]:
+    """The modes in the order prompt i runs them: rotated by i, so that no mode always runs first and
+    pays alone what a new prompt length costs the first time (kernel and primitive picks)."""
+    items = list(engines.items())
+    return items[i % len(items):] + items[:i % len(items)]
 
 
 def tree_shares(engine: SpecEngine) -> list[float]:
@@ -245,7 +252,7 @@ def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, samp
     for i, ids in enumerate(suite.prompts):
         runs.append({
             mode: engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed + i)
-            for mode, engine in engines.items()
+            for mode, engine in rotated(engines, i)
         })
         spec = runs[-1][spec_mode].stats
         print(f"[{suite.name} {i + 1}/{len(suite.prompts)}] {spec.new_tokens} tokens, τ {_fmt(spec.acceptance_length)}, "
