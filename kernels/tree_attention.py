@@ -262,10 +262,12 @@ def _tree_attention_fwd_kernel(
 
 @dataclass(frozen=True)
 class AttentionWorkspace:
-    """Scratch of a split launch for one (T, Hq, Hkv, D): partial acc [P, BLOCK_M, BLOCK_D] and stats
-    [P, 2, BLOCK_M] (running max, sum) in fp32, P = Hkv · tiles · splits; counters [Hkv · tiles]
-    int32, zero between launches (each tile's last program resets its own), so one workspace
-    serves every layer of a forward, launch after launch on one stream (not two launches at once)."""
+    """The launch of one (T, Hq, Hkv, D): its knobs, and the scratch of a split launch: partial acc
+    [P, BLOCK_M, BLOCK_D] and stats [P, 2, BLOCK_M] (running max, sum) in fp32, P = Hkv · tiles ·
+    splits; counters [Hkv · tiles] int32, zero between launches (each tile's last program resets its
+    own), so one workspace serves every layer of a forward, launch after launch on one stream (not
+    two launches at once). Knobs: splits, block_m (query rows a tile), block_n (cache rows a column
+    block), min_span (the fewest blocks a split takes), num_warps."""
 
     splits: int
     block_m: int
@@ -273,6 +275,8 @@ class AttentionWorkspace:
     partial: torch.Tensor
     stats: torch.Tensor
     counters: torch.Tensor
+    block_n: int = 64
+    num_warps: int = 4
 
 
 def _block_d(head_dim: int) -> int:
@@ -292,26 +296,34 @@ def default_block_n(head_dim: int) -> int:
     return 32 if head_dim >= 128 else 64
 
 
-def default_splits(T: int, num_heads: int, num_kv_heads: int, device) -> int:
-    """Splits of the column range per (kv head, tile): about two programs per SM on CUDA, at most
-    64; 1 under the interpreter or off CUDA."""
+def default_splits(T: int, num_heads: int, num_kv_heads: int, device, block_m: Optional[int] = None) -> int:
+    """Splits of the column range per (kv head, tile of block_m rows, default `_block_m`): about two
+    programs per SM on CUDA, at most 64; 1 under the interpreter or off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 1
-    tiles = num_kv_heads * triton.cdiv(T * num_heads // num_kv_heads, _block_m(T, num_heads, num_kv_heads))
+    block_m = _block_m(T, num_heads, num_kv_heads) if block_m is None else block_m
+    tiles = num_kv_heads * triton.cdiv(T * num_heads // num_kv_heads, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(64, 2 * sms // tiles))
 
 
 def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim: int, device,
-                             splits: Optional[int] = None, min_span: int = 4) -> AttentionWorkspace:
-    """The workspace `tree_attention` uses for these shapes (allocated and zeroed here, once).
+                             splits: Optional[int] = None, min_span: int = 4, block_m: Optional[int] = None,
+                             block_n: Optional[int] = None, num_warps: int = 4) -> AttentionWorkspace:
+    """The workspace `tree_attention` uses for these shapes (allocated and zeroed here, once), with
+    the launch's knobs.
 
     splits: runs of the column range per (kv head, tile) (default: `default_splits`); min_span:
-    the fewest column blocks in a run, so that a short context merges few partials (or none).
+    the fewest column blocks in a run, so that a short context merges few partials (or none);
+    block_m: query rows a tile, a power of two >= 16 (default: G·T's, at most 64); block_n: cache
+    rows a column block (default: `default_block_n`); num_warps: of a program.
     """
-    splits = default_splits(T, num_heads, num_kv_heads, device) if splits is None else splits
-    block_m = _block_m(T, num_heads, num_kv_heads)
+    block_m = _block_m(T, num_heads, num_kv_heads) if block_m is None else block_m
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if splits is None:
+        splits = default_splits(T, num_heads, num_kv_heads, device, block_m)
     pairs = num_kv_heads * triton.cdiv(T * num_heads // num_kv_heads, block_m)
     rows = pairs * splits if splits > 1 else 0
     return AttentionWorkspace(
@@ -319,19 +331,19 @@ def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim
         partial=torch.empty(rows, block_m, _block_d(head_dim), dtype=torch.float32, device=device),
         stats=torch.empty(rows, 2, block_m, dtype=torch.float32, device=device),
         counters=torch.zeros(pairs, dtype=torch.int32, device=device),
+        block_n=default_block_n(head_dim) if block_n is None else block_n, num_warps=num_warps,
     )
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                   visible: torch.Tensor, scale: float, workspace: Optional[AttentionWorkspace] = None,
-                   block_n: Optional[int] = None) -> torch.Tensor:
+                   visible: torch.Tensor, scale: float, workspace: Optional[AttentionWorkspace] = None) -> torch.Tensor:
     """q [T, Hq, D], caches [Hkv, C, D], start 0-d long (device), visible [T] or [T, W] int64 (device,
     W >= cdiv(T, 64)) -> out [T, Hq, D] in q's dtype (contiguous). One launch, fixed grid, no host sync.
 
     `workspace` (tree_attention_workspace) fixes the splits; without one a fresh one is made per
     call (a zero-fill before the launch: pass one to keep a captured graph at one node a call).
-    The caller keeps start + T <= C; cache rows >= start + T are never read. block_n: cache rows a
-    column block (default `default_block_n`).
+    The caller keeps start + T <= C; cache rows >= start + T are never read. The launch's knobs
+    (tiles, column blocks, splits, warps) are the workspace's.
     """
     T, Hq, D = q.shape
     Hkv, C, Dk = k_cache.shape
@@ -343,16 +355,15 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ws = tree_attention_workspace(T, Hq, Hkv, D, q.device) if workspace is None else workspace
     G = Hq // Hkv
     tiles = triton.cdiv(G * T, ws.block_m)
-    assert ws.block_m == _block_m(T, Hq, Hkv) and ws.counters.numel() == Hkv * tiles
+    assert ws.counters.numel() == Hkv * tiles, "the workspace was made for another T or other heads"
     assert ws.splits == 1 or ws.partial.shape == (Hkv * tiles * ws.splits, ws.block_m, _block_d(D))
-    block_n = default_block_n(D) if block_n is None else block_n
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     _tree_attention_fwd_kernel[(Hkv, tiles, ws.splits)](
         q, k_cache, v_cache, out, start, words, ws.partial, ws.stats, ws.counters,
         T, G, scale * math.log2(math.e), words.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        D=D, BLOCK_D=_block_d(D), BLOCK_M=ws.block_m, BLOCK_N=block_n, SPLITS=ws.splits, MIN_SPAN=ws.min_span,
-        DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
+        D=D, BLOCK_D=_block_d(D), BLOCK_M=ws.block_m, BLOCK_N=ws.block_n, SPLITS=ws.splits, MIN_SPAN=ws.min_span,
+        DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=ws.num_warps,
     )
     return out

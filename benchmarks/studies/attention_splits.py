@@ -1,5 +1,6 @@
-"""The lean decoder's tree attention at a target shape, by its launch knobs: column-block size, the
-fewest blocks a split takes (min_span) and the splits per (kv head, tile).
+"""The lean decoder's tree attention at a target shape, by its launch knobs: query rows a tile
+(block_m), column-block size (block_n), the warps of a program, and the splits per (kv head, tile);
+the fewest blocks a split takes (min_span) stays at its default, 4 (the best of 1 / 2 / 4 before).
 
 One layer's attention of T rows over `--context` cached rows, 36 calls captured in one CUDA graph
 (a model's layers), replayed; µs a call = the replay's device time ÷ 36. The default row of each T
@@ -15,6 +16,7 @@ import itertools
 import statistics
 
 import torch
+import triton
 
 
 def main() -> None:
@@ -25,10 +27,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--block-n", default="16,32,64", help="column blocks to try")
+    ap.add_argument("--warps", default="4,8", help="num_warps to try")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from dominospec.bench import environment, log, write_json
-    from dominospec.kernels.tree_attention import causal_bits, default_block_n, default_splits, tree_attention, tree_attention_workspace
+    from dominospec.kernels.tree_attention import causal_bits, default_splits, tree_attention, tree_attention_workspace
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
@@ -40,15 +44,18 @@ def main() -> None:
         q = torch.randn(T, Hq, D, device=device, dtype=dtype)
         start = torch.tensor(args.context, device=device)
         bits = causal_bits(T, device)
-        base_splits = default_splits(T, Hq, Hkv, device)
-        configs = [("default", default_block_n(D), 4, base_splits)] + [
-            (f"block {n}, span {s}, splits {x}", n, s, x)
-            for n, s, x in itertools.product((32, 64, 128), (1, 2, 4), (base_splits, 2 * base_splits))]
+        default = tree_attention_workspace(T, Hq, Hkv, D, device)
+        tiles = {m for m in (16, 32, 64, 128) if m <= max(16, triton.next_power_of_2(T * Hq // Hkv))}
+        configs = [("default", default.block_m, default.block_n, default.num_warps, default.splits)] + [
+            (f"m {m}, n {n}, warps {w}, splits {x}", m, n, w, x)
+            for m, n, w in itertools.product(sorted(tiles), ints(args.block_n), ints(args.warps))
+            for x in sorted({max(1, default_splits(T, Hq, Hkv, device, m) // 2), default_splits(T, Hq, Hkv, device, m)})]
         reference = None
-        for name, block_n, span, splits in configs:
-            ws = tree_attention_workspace(T, Hq, Hkv, D, device, splits=min(64, splits), min_span=span)
+        for name, block_m, block_n, warps, splits in configs:
+            ws = tree_attention_workspace(T, Hq, Hkv, D, device, splits=min(64, splits), block_m=block_m,
+                                          block_n=block_n, num_warps=warps)
             try:
-                got = tree_attention(q, k, v, start, bits, D ** -0.5, ws, block_n=block_n)
+                got = tree_attention(q, k, v, start, bits, D ** -0.5, ws)
             except Exception as e:  # a tile that does not fit the shared memory, say
                 log(f"T={T} {name}: {type(e).__name__}")
                 continue
@@ -57,7 +64,7 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(args.layers):
-                    tree_attention(q, k, v, start, bits, D ** -0.5, ws, block_n=block_n)
+                    tree_attention(q, k, v, start, bits, D ** -0.5, ws)
             times = []
             for _ in range(5):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,8 +75,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b) * 1e3 / (10 * args.layers))
             us = statistics.median(times)
-            out["rows"].setdefault(str(T), {})[name] = dict(us=us, block_n=block_n, min_span=span, splits=splits,
-                                                            same_as_default=ok)
+            out["rows"].setdefault(str(T), {})[name] = dict(us=us, block_m=block_m, block_n=block_n, num_warps=warps,
+                                                            splits=splits, same_as_default=ok)
             log(f"T={T} {name}: {us:.1f} µs a layer{'' if ok else ' (DIFFERS)'}")
             write_json(args.out, out)
     lines = [f"\n{out['device']}, {out['date']}; Hq {Hq}, Hkv {Hkv}, D {D}, context {args.context}, bf16", "",
@@ -78,6 +85,10 @@ def main() -> None:
         best = min(by.items(), key=lambda kv: kv[1]["us"])
         lines.append(f"| {T} | {by['default']['us']:.1f} | {best[1]['us']:.1f} | {best[0]} |")
     print("\n".join(lines))
+
+
+def ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",")]
 
 
 if __name__ == "__main__":

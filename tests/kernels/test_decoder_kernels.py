@@ -227,13 +227,21 @@ def test_tree_attention_matches_reference(T, Hq, Hkv, D, start, bits, dtype):
     visible = bits()
     expected = tree_attention_reference(q, k_cache, v_cache, start_t, visible, D ** -0.5)
     assert torch.isfinite(expected).all()
-    for splits, min_span, block_n in ((1, 1, 64), (3, 1, 64), (3, 4, None), (3, 1, 32)):
-        workspace = tree_attention_workspace(T, Hq, Hkv, D, DEVICE, splits=splits, min_span=min_span)
-        out = tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace, block_n=block_n)
+    knobs = [dict(splits=1, min_span=1, block_n=64), dict(splits=3, min_span=1, block_n=64), dict(splits=3, min_span=4),
+             dict(splits=3, min_span=1, block_n=32), dict(splits=2, min_span=1, block_n=16, block_m=32)]
+    for knob in knobs:
+        workspace = tree_attention_workspace(T, Hq, Hkv, D, DEVICE, **knob)
+        out = tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace)
         assert out.shape == (T, Hq, D) and out.dtype == dtype
         assert_close_scaled(out, expected, ATTN_TOL[dtype])
-        assert torch.equal(tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace, block_n=block_n), out)
+        assert torch.equal(tree_attention(q, k_cache, v_cache, start_t, visible, D ** -0.5, workspace), out)
         assert not workspace.counters.any()
+
+
+def test_tree_attention_workspace_refuses_a_tile_that_is_no_power_of_two():
+    for block_m in (8, 24, 48):
+        with pytest.raises(ValueError, match=f"block_m must be a power of two >= 16, got {block_m}"):
+            tree_attention_workspace(4, 4, 2, 32, DEVICE, block_m=block_m)
 
 
 def test_tree_attention_ignores_the_capacity():
