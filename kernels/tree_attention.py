@@ -15,8 +15,8 @@ Row i must see itself (so no row is empty). Grouped-query heads: q head h reads 
 
 Kernel: flash-attention with an online softmax in fp32 (exp2 domain). Program (kv head, tile, split)
 stacks the G = Hq/Hkv query heads sharing that kv head for all T rows as its M dimension
-(m = t·G + g, padded to a power of two >= 16, tiles of at most 64 rows), so each K/V block is read
-once for G·T query rows. head_dim is padded likewise to BLOCK_D >= 16 (masked loads: any D runs;
+(m = t·G + g, in tiles of BLOCK_M rows: 16 by default, 64 past 256 rows), so each K/V block is read
+once per tile. head_dim is padded likewise to BLOCK_D >= 16 (masked loads: any D runs;
 a power of two >= 16 needs no mask). Full context blocks run without masks; the last few blocks
 (context tail + the tree: T / BLOCK_N + 2 at most) apply the bitmask, each gathering its rows'
 words. q·Kᵀ runs on tl.dot from the storage dtype with fp32 accumulation (IEEE fp32 for fp32 inputs, no TF32); the probabilities are rounded to the storage
@@ -283,29 +283,39 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
 
 
+# The launch's defaults, from benchmarks/studies/attention_splits.py on one H100 (2026-12-06: every
+# tile of 16/32/64/128 rows, column block of 16/32/64, 4 or 8 warps and two split counts, µs a layer,
+# 36 layers in one graph). Qwen3-8B's heads (32 / 8 of 128) over 1,024 cached rows, the old defaults
+# -> these: 1 row 9.8 -> 8.9, 16 rows 19.7 -> 11.3, 64 rows 26.9 -> 21.6, 256 rows 55.0 -> 43.1.
+# SmolLM2's (9 / 3 of 64) over 512: 1 row 9.1 -> 6.8, 8 rows 12.5 -> 7.3, 16 rows 11.2 -> 7.2,
+# 64 rows 14.8 -> 8.9, 256 rows 22.3 -> 20.5. Small tiles win while a forward has few query rows
+# (G·T <= 256): more programs stream the cache; about one program per SM beats two.
+SMALL_TILE_ROWS = 256  # G·T up to this: tiles of 16 rows, else 64
+
+
 def _block_m(T: int, num_heads: int, num_kv_heads: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(T * num_heads // num_kv_heads)))
+    return 16 if T * num_heads // num_kv_heads <= SMALL_TILE_ROWS else 64
 
 
 def default_block_n(head_dim: int) -> int:
-    """Cache rows a column block: 32 at head_dim >= 128, else 64. At Qwen3-8B's shape (32 / 8 heads,
-    head_dim 128, 1,024 cached rows, one H100) 32 was never slower and up to 27 % faster than 64
-    (1 row 9.9 against 11.7 µs, 16 rows 20.4 against 27.8, 64 rows 26.2 against 31.4, 256 level:
-    benchmarks/studies/attention_splits.py); its [BLOCK_M, BLOCK_N] scores and [BLOCK_N, D] value
-    tile halve the registers a program holds. Smaller heads keep 64, the block measured before."""
-    return 32 if head_dim >= 128 else 64
+    """Cache rows a column block: 32, best or within 10 % of the best at every measured row count of
+    both shapes (the study above); its [BLOCK_M, BLOCK_N] scores and [BLOCK_N, D] value tile keep a
+    program's registers small at head_dim 128."""
+    return 32
 
 
 def default_splits(T: int, num_heads: int, num_kv_heads: int, device, block_m: Optional[int] = None) -> int:
-    """Splits of the column range per (kv head, tile of block_m rows, default `_block_m`): about two
-    programs per SM on CUDA, at most 64; 1 under the interpreter or off CUDA."""
+    """Splits of the column range per (kv head, tile of block_m rows, default `_block_m`), so that the
+    grid holds about one program per SM: ceil(SMs / tiles) with small tiles, floor with tiles of 64
+    rows (at 256 rows of Qwen3-8B, 1 split took 43 µs, 2 took 53), at most 64; 1 under the
+    interpreter or off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 1
     block_m = _block_m(T, num_heads, num_kv_heads) if block_m is None else block_m
     tiles = num_kv_heads * triton.cdiv(T * num_heads // num_kv_heads, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, 2 * sms // tiles))
+    return max(1, min(64, triton.cdiv(sms, tiles) if block_m <= 16 else sms // tiles))
 
 
 def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim: int, device,
