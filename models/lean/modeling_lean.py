@@ -193,19 +193,25 @@ class LeanStack:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             slot: torch.Tensor, visible: Optional[torch.Tensor], tap: Any = None, chain_start: Optional[int] = None,
-            workspace: Any = None) -> torch.Tensor:
+            workspace: Any = None, context: Optional[torch.Tensor] = None) -> torch.Tensor:
         """h [T, H] at rotary tables cos/sin [T, D], its K/V written at cache rows slot.. -> final-normed
         [T, H]; the output of layer l goes to `tap.record(l, [T, H])` when a tap is given. Attention as
         `LeanDecoder.forward` says; `workspace` (`workspace_for(T)`) is its scratch, shared by the
-        layers one after another."""
-        T = h.shape[0]
+        layers one after another.
+
+        `context` [S, H] (the draft's appended rows, already normed): rows whose keys and values every
+        layer writes at cache rows slot-S .. slot-1, projected in the same GEMM as the T rows' (one read
+        of the q/k/v weights), their queries dropped; cos/sin then cover the S + T rows [S + T, D]."""
+        T, S = h.shape[0], 0 if context is None else context.shape[0]
+        first = slot - S if S else slot  # the cache row of the first row written
         residual = None
         for i, layer in enumerate(self.layers):
             x, summed = self.ops.rms_norm(h, layer.input_norm, self.eps, residual)
             if tap is not None and i > 0:
                 tap.record(i - 1, summed)  # the previous layer's output (this layer's input)
-            q = self.ops.rope_cache(F.linear(x, layer.qkv), cos, sin, keys[i], values[i], slot, self.Hq, self.Hkv,
-                                    layer.q_norm, layer.k_norm, self.eps)  # [T, Hq, D]
+            rows = torch.cat([context, x]) if S else x  # [S + T, H]
+            q = self.ops.rope_cache(F.linear(rows, layer.qkv), cos, sin, keys[i], values[i], first, self.Hq, self.Hkv,
+                                    layer.q_norm, layer.k_norm, self.eps)[S:]  # [T, Hq, D]
             if visible is not None:
                 a = self.ops.tree_attention(q, keys[i], values[i], slot, visible, self.scale, workspace)
             else:

@@ -12,14 +12,16 @@ capacity, D] each:
                                        next append (the block's K/V are never committed)
 
 so the block attends with `tree_attention` over rows < start plus its own B rows, each seeing
-all B (a bitmask of B ones). "Append S rows + block" is one CUDA graph per S <= B, as in the static
-runner; more rows (the prompt) are appended eagerly first. A context row's queries are computed
+all B (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA graph per S <= B, as in
+the static runner: each layer projects the S context rows and the B block rows in one q/k/v GEMM
+(one read of its weights) and writes their K/V at start-S .. start+B-1; more rows (the prompt) are
+appended eagerly first. A context row's queries are computed
 and dropped (one matmul row of the fused q/k/v projection, cheaper than a second weight).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,20 +69,30 @@ class LeanDraft:
         cos, sin = self.tables[dtype]
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
+    def context_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [S, n*H] -> the context rows' hidden states [S, H] (fc, then hidden_norm)."""
+        stack = self.stack
+        hidden, _ = stack.ops.rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, stack.eps)
+        return hidden
+
     def append(self, features: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Context rows [S, n*H] -> their K/V at cache rows (and positions) slot..slot+S-1 of every layer."""
         S, stack = features.shape[0], self.stack
-        hidden, _ = stack.ops.rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, stack.eps)
+        hidden = self.context_rows(features)
         cos, sin = self.rope(slot + torch.arange(S, device=slot.device), hidden.dtype)
         for i, layer in enumerate(stack.layers):
             stack.ops.rope_cache(F.linear(hidden, layer.qkv), cos, sin, keys[i], values[i], slot, stack.Hq, stack.Hkv,
                                  layer.q_norm, layer.k_norm, stack.eps)
 
     def block(self, embeds: torch.Tensor, slot: torch.Tensor, bits: torch.Tensor, keys: torch.Tensor,
-              values: torch.Tensor, workspace: Any = None) -> torch.Tensor:
-        """Block embeddings [B, H] at positions slot..slot+B-1 -> z [B, H] (the final norm's output)."""
-        cos, sin = self.rope(slot + torch.arange(embeds.shape[0], device=slot.device), embeds.dtype)
-        return self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace)
+              values: torch.Tensor, workspace: Any = None, features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Block embeddings [B, H] at positions slot..slot+B-1 -> z [B, H] (the final norm's output).
+        `features` [S, n*H]: context rows appended at slot-S..slot-1 in the same pass, their q/k/v in
+        the block's GEMM (`LeanStack.run`'s context)."""
+        S = 0 if features is None else features.shape[0]
+        context = self.context_rows(features) if S else None
+        cos, sin = self.rope(slot - S + torch.arange(S + embeds.shape[0], device=slot.device), embeds.dtype)
+        return self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace, context=context)
 
 
 class LeanDraftBlock(GraphedBlock):
@@ -114,9 +126,8 @@ class LeanDraftBlock(GraphedBlock):
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
         def step() -> Output:
-            if S:
-                self.lean.append(self.features[S][0], self.start - S, self.keys, self.values)
             embeds = torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])  # [B, H]
-            z = self.lean.block(embeds, self.start, self.bits, self.keys, self.values, self.workspace)
+            z = self.lean.block(embeds, self.start, self.bits, self.keys, self.values, self.workspace,
+                                self.features[S][0] if S else None)
             return z, self.lm_head(z)
         return step
