@@ -22,8 +22,9 @@ from, which is what lossless speculative sampling needs. `confidence[j]` is q_j(
 the softmax of the scored logits at the argmax), the draft's own belief in d_j.
 
 Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains and
-branches of `domino` on the kernels when they are prepared (graphs on static caches), everything
-else (sampled chains, `dominotree`'s build, CPU) on torch ops.
+branches of `domino` on the kernels when they are prepared (graphs on static caches); sampled chains
+on torch ops, drawn from uniforms drawn before the rollout (`_Draws`), so that on static caches with
+CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`); the CPU on torch ops.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class DraftHead:
     `graphs`: their greedy rollouts on static buffers or None."""
 
     def __init__(self, draft: Any, embed_tokens: Any, corrects: bool, pool_size: int, kernels: Any = None,
-                 graphs: Optional[RolloutGraphs] = None):
+                 graphs: Optional[RolloutGraphs] = None, sampled: Optional["SampledChains"] = None):
         self.draft, self.embed_tokens, self.corrects, self.pool_size = draft, embed_tokens, corrects, pool_size
-        self.kernels, self.graphs = kernels, graphs
+        self.kernels, self.graphs, self.sampled = kernels, graphs, sampled
         self.P = int(draft.config.pure_draft_prefix_len)
 
     def pool(self, base_logits: torch.Tensor) -> Optional[torch.Tensor]:
@@ -99,11 +100,23 @@ class DraftHead:
             chain = head_rollout(self.kernels, z, base_logits, x_start, pool_select(base_logits, self.P, self.pool_size),
                                  confidence=want)
             return DraftChain(chain.tokens, None, chain.confidence)
-        cand = self.pool(base_logits)
         if sampling.greedy and not want:
-            out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, pool=cand, keep_logits=False)
+            out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, pool=self.pool(base_logits),
+                                     keep_logits=False)
             return DraftChain(out.tokens, None, None)
-        draws = _Draws(sampling, generator, base_logits.shape[-1], cand)
+        if sampling.greedy:
+            return self.drawn_chain(z, base_logits, x_start, sampling, None)
+        if self.sampled is not None:  # the whole sampled rollout as one graph, its noise drawn first
+            return self.sampled.chain(self, z, base_logits, x_start, sampling, generator)
+        noise = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
+        return self.drawn_chain(z, base_logits, x_start, sampling, noise.uniform_(generator=generator))
+
+    def drawn_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
+                    noise: Optional[torch.Tensor]) -> DraftChain:
+        """The model's rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms
+        noise [K, V] (row j draws d_j). No host sync: a graph captures it (`SampledChains`)."""
+        cand = self.pool(base_logits)
+        draws = _Draws(sampling, noise, base_logits.shape[-1], cand)
         out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, sampler=draws, pool=cand, keep_logits=False)
         return DraftChain(out.tokens, torch.stack(draws.probs) if draws.probs else None, torch.stack(draws.beliefs))
 
@@ -127,29 +140,72 @@ def draft_head(draft: Any, embed_tokens: Any, mode: str, head_kernel: str, pool_
                cuda_graphs: bool, block_size: int, dtype: torch.dtype, device: torch.device) -> DraftHead:
     """The engine's DraftHead: `engine.head_kernel` (torch | triton | auto: Triton where it runs
     compiled, a CUDA draft) decides the kernels for `domino`'s greedy rollouts, and static caches
-    their CUDA graphs (replayed when `cuda_graphs`, eager otherwise). `dominotree` grows its tree with
-    torch ops (as one graph on CUDA: engine.domino_tree), and `dflash` runs no head."""
+    their CUDA graphs (replayed when `cuda_graphs`, eager otherwise); with both, a sampled chain of
+    `domino` replays one graph too (`SampledChains`). `dominotree` grows its tree on its own
+    (engine.domino_tree), and `dflash` runs no head."""
     corrects = mode in ("domino", "dominotree")
     if head_kernel == "auto":
         head_kernel = "triton" if triton_usable(draft.embed_proj[2].weight.device) else "torch"
+    sampled = None
+    if mode == "domino" and static_cache and cuda_graphs:
+        sampled = SampledChains(block_size, draft.config.hidden_size, int(draft.config.vocab_size), dtype, device,
+                                enabled=True)
     if mode != "domino" or head_kernel != "triton":
-        return DraftHead(draft, embed_tokens, corrects, pool_size)
+        return DraftHead(draft, embed_tokens, corrects, pool_size, sampled=sampled)
     kernels = prepare_head_kernels(draft, embed_tokens)
     graphs = None
     if static_cache:
         graphs = RolloutGraphs(kernels, block_size, draft.config.hidden_size, kernels.w2.shape[0], dtype, device,
                                pool_size, enabled=cuda_graphs)
-    return DraftHead(draft, embed_tokens, corrects, pool_size, kernels, graphs)
+    return DraftHead(draft, embed_tokens, corrects, pool_size, kernels, graphs, sampled)
+
+
+class SampledChains:
+    """The sampled chain's rollout as one CUDA graph per (K, sampling) (engine.graphs.ShapeGraphs): the
+    head's `drawn_chain` on static buffers z [B, H], u [B, V], x_start [1] and noise [B, V], which
+    `chain` fills (the noise from the request's generator, as the eager path draws it: the same
+    generator gives the same draft). The chain it returns is the graph's own output, valid until the
+    next sampled chain (a round verifies it before it drafts again). `enabled` False runs the same
+    function eagerly on the buffers."""
+
+    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                 enabled: bool):
+        from dominospec.engine.graphs import ShapeGraphs
+
+        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)
+        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.noise = torch.full((block_size, vocab), 0.5, dtype=torch.float32, device=device)
+        self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (set on first use)
+        self.graphs = ShapeGraphs(self._build, enabled)
+
+    def chain(self, head: "DraftHead", z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+              sampling: Sampling, generator: Optional[torch.Generator]) -> DraftChain:
+        K = z.shape[0]
+        self.head = head
+        self.z[:K].copy_(z)
+        self.base[:K].copy_(base_logits)
+        self.x_start.copy_(x_start.reshape(1))
+        self.noise[:K].uniform_(generator=generator)
+        return self.graphs.run((K, sampling))
+
+    def _build(self, key: tuple):
+        K, sampling = key
+        return lambda: self.head.drawn_chain(self.z[:K], self.base[:K], self.x_start, sampling, self.noise[:K])
 
 
 class _Draws:
     """A sampler for the model's rollout (one row) that keeps what the engine needs of each draw:
     q_j scattered over the vocabulary V (sampling) and q_j(d_j), the draft's belief. A step scored
-    over the pool sees M < V columns; `pool` maps them back."""
+    over the pool sees M < V columns; `pool` maps them back.
 
-    def __init__(self, sampling: Sampling, generator: Optional[torch.Generator], vocab: int,
-                 pool: Optional[torch.Tensor]):
-        self.sampling, self.generator, self.vocab, self.pool = sampling, generator, vocab, pool
+    Sampled, step j draws from q_j with the uniforms noise[j] [V] (its first N columns): the
+    exponential race d = argmax_i q_i / E_i, E_i = -log U_i ~ Exp(1) iid, picks i with probability
+    q_i exactly (the Gumbel-max trick in another form), and a token with q_i = 0 never. The noise is
+    drawn before the rollout, so the rollout has no random op and no host sync (a graph replays it)."""
+
+    def __init__(self, sampling: Sampling, noise: Optional[torch.Tensor], vocab: int, pool: Optional[torch.Tensor]):
+        self.sampling, self.noise, self.vocab, self.pool = sampling, noise, vocab, pool
         self.probs: list[torch.Tensor] = []  # [V] float32 per step (sampling only)
         self.beliefs: list[torch.Tensor] = []  # 0-d float32 per step
 
@@ -161,7 +217,8 @@ class _Draws:
             self.beliefs.append(torch.softmax(row.float(), -1)[d])
             return d.reshape(1)
         q = self.sampling.probs(row[None])[0]  # [N] float32
-        d = torch.multinomial(q[None], 1, generator=self.generator)[0, 0]
+        race = self.noise[len(self.beliefs), :q.shape[0]].log().neg()  # E ~ Exp(1) [N]
+        d = (q / race).argmax()
         self.beliefs.append(q[d])
         self.probs.append(q if q.shape[0] == self.vocab else q.new_zeros(self.vocab).index_copy_(0, self.pool, q))
         return d.reshape(1)

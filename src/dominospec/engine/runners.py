@@ -203,6 +203,8 @@ class EngineRunners:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
         if self.head is not None and self.head.graphs is not None:
             failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
+        if self.head is not None and self.head.sampled is not None:
+            failures.update({f"sampled chain {key}": err for key, err in self.head.sampled.graphs.failures.items()})
         if self.grower is not None:
             failures.update({f"tree build {key}": err for key, err in self.grower.graphs.failures.items()})
         return failures
