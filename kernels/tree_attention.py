@@ -291,17 +291,12 @@ def _block_d(head_dim: int) -> int:
 # 64 rows 14.8 -> 8.9, 256 rows 22.3 -> 20.5. Small tiles win while a forward has few query rows
 # (G·T <= 256): more programs stream the cache; about one program per SM beats two.
 SMALL_TILE_ROWS = 256  # G·T up to this: tiles of 16 rows, else 64
+BLOCK_N = 32  # cache rows a column block: best or within 10 % of the best at every measured row count of both
+# shapes; its [BLOCK_M, BLOCK_N] scores and [BLOCK_N, D] value tile keep a program's registers small at D = 128
 
 
 def _block_m(T: int, num_heads: int, num_kv_heads: int) -> int:
     return 16 if T * num_heads // num_kv_heads <= SMALL_TILE_ROWS else 64
-
-
-def default_block_n(head_dim: int) -> int:
-    """Cache rows a column block: 32, best or within 10 % of the best at every measured row count of
-    both shapes (the study above); its [BLOCK_M, BLOCK_N] scores and [BLOCK_N, D] value tile keep a
-    program's registers small at head_dim 128."""
-    return 32
 
 
 def default_splits(T: int, num_heads: int, num_kv_heads: int, device, block_m: Optional[int] = None) -> int:
@@ -327,7 +322,7 @@ def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim
     splits: runs of the column range per (kv head, tile) (default: `default_splits`); min_span:
     the fewest column blocks in a run, so that a short context merges few partials (or none);
     block_m: query rows a tile, a power of two >= 16 (default: G·T's, at most 64); block_n: cache
-    rows a column block (default: `default_block_n`); num_warps: of a program.
+    rows a column block (default: BLOCK_N); num_warps: of a program.
     """
     block_m = _block_m(T, num_heads, num_kv_heads) if block_m is None else block_m
     if block_m < 16 or block_m & (block_m - 1):
@@ -341,7 +336,7 @@ def tree_attention_workspace(T: int, num_heads: int, num_kv_heads: int, head_dim
         partial=torch.empty(rows, block_m, _block_d(head_dim), dtype=torch.float32, device=device),
         stats=torch.empty(rows, 2, block_m, dtype=torch.float32, device=device),
         counters=torch.zeros(pairs, dtype=torch.int32, device=device),
-        block_n=default_block_n(head_dim) if block_n is None else block_n, num_warps=num_warps,
+        block_n=BLOCK_N if block_n is None else block_n, num_warps=num_warps,
     )
 
 

@@ -78,6 +78,8 @@ class DraftHead:
         self.draft, self.embed_tokens, self.corrects, self.pool_size = draft, embed_tokens, corrects, pool_size
         self.kernels, self.graphs, self.sampled = kernels, graphs, sampled
         self.P = int(draft.config.pure_draft_prefix_len)
+        if sampled is not None:
+            sampled.head = self
 
     def pool(self, base_logits: torch.Tensor) -> Optional[torch.Tensor]:
         """u [K, V] -> the block's candidate pool ids [M], or None (full vocabulary)."""
@@ -107,7 +109,7 @@ class DraftHead:
         if sampling.greedy:
             return self.drawn_chain(z, base_logits, x_start, sampling, None)
         if self.sampled is not None:  # the whole sampled rollout as one graph, its noise drawn first
-            return self.sampled.chain(self, z, base_logits, x_start, sampling, generator)
+            return self.sampled.chain(z, base_logits, x_start, sampling, generator)
         noise = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
         return self.drawn_chain(z, base_logits, x_start, sampling, noise.uniform_(generator=generator))
 
@@ -176,13 +178,12 @@ class SampledChains:
         self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
         self.x_start = torch.zeros(1, dtype=torch.long, device=device)
         self.noise = torch.full((block_size, vocab), 0.5, dtype=torch.float32, device=device)
-        self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (set on first use)
+        self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (the head sets it)
         self.graphs = ShapeGraphs(self._build, enabled)
 
-    def chain(self, head: "DraftHead", z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
-              sampling: Sampling, generator: Optional[torch.Generator]) -> DraftChain:
+    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
+              generator: Optional[torch.Generator]) -> DraftChain:
         K = z.shape[0]
-        self.head = head
         self.z[:K].copy_(z)
         self.base[:K].copy_(base_logits)
         self.x_start.copy_(x_start.reshape(1))
