@@ -24,6 +24,8 @@ meaningless (about 1), so nothing here reports one; the speed-ups are a projecti
               ar; domino's chain (draft block, head rollout, verify); dominotree of 16 and 64 nodes (the
               tree's build on the kernels), and of 16 built with torch ops: device ms by phase and wall
               ms a round (GenerationStats)
+  round_kernels  the rounds of --kernel-modes again, on static caches launched eagerly under torch.profiler:
+              each kernel's device ms and launches a round (a prefill's profile subtracted)
   train       the train stage's loop (bench.train_steps) at the preset's batch, doubled until it no longer fits
   generate    transformers' compiled static-cache `generate`: ms a step, from two lengths
 `profile`: where one step's device time goes, on the lean decoder at --context cached rows: the
@@ -159,6 +161,48 @@ def rounds(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None
             f"/ verify {m['verify_ms_per_round']:.3f} device ms, wall {m['wall_ms_per_round']:.3f} ms a round")
 
 
+def round_kernels(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
+    """Where a round's device time goes, kernel by kernel: the rounds of --kernel-modes on static caches
+    launched eagerly (the kernels a round's graphs replay, timed one by one under torch.profiler; the
+    prefill's kernels subtracted) -> out["round_kernels"][mode]: device ms a round by kernel, launches a round."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from dominospec.config import load_params
+    from dominospec.engine import SpecEngine
+    from dominospec.engine.verify_shape import MAX_TREE_ROWS
+
+    params = load_params(args.params)
+    with building(target.device, target.embed_tokens.weight.dtype):
+        draft = new_draft(params, target).eval().requires_grad_(False)
+    base = dataclasses.replace(params.engine, linear="torch", ngram_assist=False, ngram_fork=False,
+                               cuda_graphs="static").with_tree(shape="chain")
+    prompt = torch.randint(0, target.identity.vocab_size, (args.context,), generator=torch.Generator().manual_seed(3)).tolist()
+    out["round_kernels"] = {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name in args.kernel_modes.split(","):
+        mode, tree, extra = ROUNDS[name]
+        rows = 1 + tree.get("nodes", draft.config.block_size - 1 if mode != "ar" else 0)
+        options = dataclasses.replace(base, lean_target="on" if rows <= MAX_TREE_ROWS else "off", **extra).with_tree(**tree)
+        engine = SpecEngine(target, None if mode == "ar" else draft, mode, None, options)
+        engine.generate(prompt, args.new_tokens)  # kernels compiled, buffers allocated
+        engine.generate(prompt[: args.context // 2], 4)
+        with torch_profile(activities=activities) as prefill:
+            engine.generate(prompt, 1)
+            sync(cuda)
+        with torch_profile(activities=activities) as prof:
+            g = engine.generate(prompt, args.new_tokens)
+            sync(cuda)
+        table = kernel_table(prof, max(1, g.stats.rounds), cuda, top=args.kernel_top, minus=prefill)
+        out["round_kernels"][name] = dict(rounds=g.stats.rounds, **table)
+        del engine
+        gc.collect()
+        log(f"round kernels {name}: {table['device_ms']:.3f} device ms, {table['launches']:.0f} launches a round "
+            f"over {g.stats.rounds} rounds (a prefill's kernels subtracted)")
+        for k in table["top"]:
+            log(f"    {k['ms']:8.4f} ms  x{k['count']:6.1f}  {k['kernel']}")
+
+
 def train_batch(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """The train stage's loop at the preset's batch, doubled until it does not fit -> out["train"]."""
     from dominospec.bench import params_with
@@ -215,7 +259,8 @@ def engine(args: argparse.Namespace) -> None:
     out: dict[str, Any] = dict(**environment(cuda), smoke=args.smoke, label="random weights: costs only, τ meaningless")
     target = checkpoint(args, cuda, out)
     write_json(args.out, out)
-    parts: list[tuple[str, Callable]] = [("floor", floor), ("verify", verify), ("rounds", rounds), ("generate", generate),
+    parts: list[tuple[str, Callable]] = [("floor", floor), ("verify", verify), ("rounds", rounds), ("round_kernels", round_kernels),
+                                         ("generate", generate),
                                          ("train", train_batch)]
     for name, fn in parts:
         if name in args.skip.split(","):
@@ -295,22 +340,34 @@ def profile(args: argparse.Namespace) -> None:
     write_json(args.out, out)
 
 
-def kernel_table(prof: Any, reps: int, cuda: bool) -> dict:
-    """A profile of `reps` steps -> device ms a step by kernel group, the top kernels, launches a step."""
-    kernels = []
+def device_kernels(prof: Any, cuda: bool) -> dict[str, tuple[float, float]]:
+    """A finished torch.profiler run -> kernel name: (device ms, launches) in all."""
+    kernels = {}
     for evt in prof.key_averages():
         device_us = getattr(evt, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(evt, "self_cuda_time_total", 0.0)
         if cuda and device_us > 0 and evt.device_type is not None and "CUDA" in str(evt.device_type):
-            kernels.append((evt.key, device_us / 1e3 / reps, evt.count / reps))
+            kernels[evt.key] = (device_us / 1e3, float(evt.count))
+    return kernels
+
+
+def kernel_table(prof: Any, reps: int, cuda: bool, top: int = 12, minus: Any = None) -> dict:
+    """A profile of `reps` steps (less the profile `minus`, kernel by kernel: the prefill of a round's
+    profile) -> device ms a step by kernel group, the top kernels, launches a step."""
+    less = device_kernels(minus, cuda) if minus is not None else {}
+    kernels = []
+    for name, (ms, count) in device_kernels(prof, cuda).items():
+        ms0, count0 = less.get(name, (0.0, 0.0))
+        if count > count0:
+            kernels.append((name, (ms - ms0) / reps, (count - count0) / reps))
     groups: dict[str, float] = {}
     for name, ms, _ in kernels:
         groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + ms
-    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
     return dict(groups_ms={g: round(ms, 4) for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
                 device_ms=round(sum(ms for _, ms, _ in kernels), 4), launches=round(sum(c for *_, c in kernels), 1),
-                top=[dict(kernel=name[:90], ms=round(ms, 4), count=round(c, 1)) for name, ms, c in top])
+                top=[dict(kernel=name[:90], ms=round(ms, 4), count=round(c, 1)) for name, ms, c in ranked])
 
 
 def stages(work: Path) -> dict:
@@ -440,6 +497,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--train-steps", type=int, default=4, help="per batch (the first untimed)")
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--kernel-modes", default="ar,domino chain,dominotree 16", help="round_kernels: modes profiled")
+    p.add_argument("--kernel-top", type=int, default=25, help="round_kernels: kernels listed a mode")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out (checkpoint: made, not saved)")
     r = sub.add_parser("profile")
     r.add_argument("--shape", default="qwen3-8b", help="bench.TARGET_SHAPES")

@@ -4,7 +4,8 @@ Both run the engine's `TreeGrower` as one CUDA graph per K (what a round replays
 weights of a named draft shape (a build's cost does not depend on the weights' values), in bf16 with
 the candidate pool. Per shape and budget: device ms a build (CUDA events over a run of replays, the
 median of --reps runs), interleaved build by build, and how many of the kernels' nodes the torch
-build also chose (bf16: the two may part at a near-tie).
+build also chose (bf16: the two may part at a near-tie). `--score-cols 16,64` times the kernels again
+with those score programs' pool columns (the default's rule: kernels.tree_grow.score_split).
 
     python benchmarks/tree_build.py --out tree_build.json            # CUDA
     python benchmarks/tree_build.py --smoke --out /tmp/tree_build.json  # CPU, TRITON_INTERPRET=1, tiny shape
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=2048)
     ap.add_argument("--replays", type=int, default=50, help="builds a timed run")
     ap.add_argument("--reps", type=int, default=5, help="timed runs (median)")
+    ap.add_argument("--score-cols", default="", help="comma-separated: the kernels again with these score "
+                    "programs' pool columns (kernels.tree_grow.score_split), beside the default")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -62,9 +65,11 @@ def main() -> None:
         x_start = torch.tensor([7], device=device)
         rows = out["shapes"][shape] = dict(V=V, H=H, G=G, r=r, K=K, budgets={})
         for nodes in [int(n) for n in args.budgets.split(",")]:
+            kinds = [("torch ops", "torch", None), ("kernels", "triton", None)] + \
+                [(f"kernels, score cols {c}", "triton", int(c)) for c in args.score_cols.split(",") if c]
             growers = {name: TreeGrower(model, embed, nodes, args.children, args.pool, B, V, dtype, device,
-                                        graphs=cuda, head_kernel=kernel)
-                       for name, kernel in (("torch ops", "torch"), ("kernels", "triton"))}
+                                        graphs=cuda, head_kernel=kernel, score_cols=cols)
+                       for name, kernel, cols in kinds}
             assert growers["kernels"].kernels is not None and growers["torch ops"].kernels is None
             trees = {name: grower.grow(z, base, x_start) for name, grower in growers.items()}  # captures
             same = len(set(paths(trees["kernels"])) & set(paths(trees["torch ops"])))
@@ -74,8 +79,8 @@ def main() -> None:
                     times[name].append(timed(lambda: grower.grow(z, base, x_start), args.replays, cuda))
             row = rows["budgets"][str(nodes)] = {name: statistics.median(t) for name, t in times.items()}
             row["nodes"], row["shared_nodes"] = trees["kernels"].size, same
-            log(f"{shape} N={nodes}: torch ops {row['torch ops']:.3f} ms, kernels {row['kernels']:.3f} ms, "
-                f"{same}/{row['nodes']} nodes shared")
+            log(f"{shape} N={nodes}: " + ", ".join(f"{name} {row[name]:.3f} ms" for name in growers)
+                + f", {same}/{row['nodes']} nodes shared")
             write_json(args.out, out)
             del growers, trees
     lines = [f"\n{out['device']}, torch {out['torch']}, triton {out.get('triton')}, {out['date']}; bf16, pool {args.pool}, "

@@ -3,7 +3,8 @@ the torch reference, on the same raw head weights (bench.head_model).
 
 - fp32: the same tree, node for node (paths, scores to fp32 summation order, best-first order, parent
   rows, depths and the ancestor bitmask), over budgets from one node to more than a frontier holds,
-  pure draft slots (P = 1, 2), a pool smaller than the children offered, and K = P;
+  pure draft slots (P = 1, 2), a pool smaller than the children offered, K = P, and several row
+  tiles, score blocks and pure-slot blocks (the default blocks and narrower and wider ones);
 - each frontier is the best of its offers: a broken select (an unsorted kept set) fails the test;
 - bf16: the tree may part from the reference only where the reference's own bf16 logits tie.
 Run: python -m pytest tests/kernels/test_tree_grow.py -q
@@ -20,7 +21,7 @@ from dominospec.kernels.head_rollout import head_weights
 from dominospec.kernels.pool_select import pool_select_reference
 from dominospec.engine.domino_tree import ancestor_bits
 from dominospec.kernels.tree_grow import ancestor_bits as ancestor_bits_kernel
-from dominospec.kernels.tree_grow import frontier_sizes, offered, tree_levels, tree_weights
+from dominospec.kernels.tree_grow import frontier_sizes, offered, score_split, tree_levels, tree_weights
 
 CASES = [  # V, H, G, r, K, P, nodes, children, pool
     (203, 37, 19, 13, 7, 1, 24, 4, 40),
@@ -29,6 +30,7 @@ CASES = [  # V, H, G, r, K, P, nodes, children, pool
     (96, 16, 8, 4, 4, 1, 200, 4, 32),  # more nodes than the tree reaches at depth 1..3
     (77, 9, 5, 3, 2, 2, 6, 3, 8),  # K = P: no corrected slot
     (64, 12, 8, 6, 3, 1, 10, 5, 3),  # a pool of 3 offers 3 children, not 5
+    (2100, 12, 6, 5, 3, 1, 20, 3, 150),  # 3 pure-slot blocks of 1,024 columns, 3 score blocks, 2 row tiles
 ]
 
 
@@ -41,7 +43,7 @@ def paths(tree) -> dict:
     return out
 
 
-def build(V, H, G, r, K, P, nodes, children, pool, dtype, seed=0):
+def build(V, H, G, r, K, P, nodes, children, pool, dtype, seed=0, score_cols=None):
     embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, dtype, seed=seed)
     x_start = torch.tensor([5], device=DEVICE)
     model, embed_tokens = head_model(embed, w_ih, w_hh, w1, w2, P, K)
@@ -49,7 +51,7 @@ def build(V, H, G, r, K, P, nodes, children, pool, dtype, seed=0):
     ids = pool_select_reference(base, P, pool)
     with torch.inference_mode():
         want = grow_tree(model, z, base, x_start, embed_tokens, nodes, children, pool)
-        levels = tree_levels(weights, z, base, x_start, ids, nodes, children)
+        levels = tree_levels(weights, z, base, x_start, ids, nodes, children, score_cols)
         got = best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, nodes, K, ancestor_bits_kernel)
     return got, want, levels
 
@@ -66,6 +68,22 @@ def test_fp32_tree_equals_reference(V, H, G, r, K, P, nodes, children, pool):
         assert ours[path][1] == pytest.approx(score, abs=1e-4)
     assert torch.equal(got.parents, want.parents) and torch.equal(got.depth, want.depth)
     assert torch.equal(got.bits, want.bits)
+
+
+@pytest.mark.parametrize("score_cols", [16, 128])
+def test_fp32_tree_equals_reference_at_other_score_blocks(score_cols):
+    """Narrow blocks: many partials a row for the select; wide: one block holds the whole pool."""
+    got, want, _ = build(203, 37, 19, 13, 7, 1, 24, 4, 100, torch.float32, seed=3, score_cols=score_cols)
+    ours, theirs = paths(got), paths(want)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[path][0] == row for path, (row, _) in theirs.items())
+
+
+def test_score_blocks_widen_for_wide_frontiers():
+    assert score_split(2048, 16, 4) == (64, 32)  # SCORE_COLS
+    assert score_split(2048, 256, 4) == (128, 16)  # 256 rows x 16 blocks x 4 = SELECT_PARTIALS
+    assert score_split(2048, 16, 4, cols=16) == (16, 128)
+    assert score_split(40, 1, 4) == (64, 1)
 
 
 def test_each_frontier_is_sorted_best_first():

@@ -40,7 +40,7 @@ precedes its children, the rows 0..n of the whole tree are the tree of budget n,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -211,11 +211,12 @@ class TreeGrower:
 
     def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int,
                  block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool,
-                 head_kernel: str = "torch"):
+                 head_kernel: str = "torch", score_cols: Optional[int] = None):
         from dominospec.engine.graphs import ShapeGraphs
 
         self.draft, self.embed_tokens = draft, embed_tokens
         self.nodes, self.children, self.pool_size, self.graphs_on = nodes, children, pool_size, graphs
+        self.score_cols = score_cols  # the kernels' score programs' pool columns (None: kernels.tree_grow's rule)
         hidden = int(draft.config.hidden_size)
         self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
         self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
@@ -243,7 +244,8 @@ class TreeGrower:
             from dominospec.kernels.tree_grow import ancestor_bits as ancestors, tree_levels
 
             cand = pool_select(base_logits, self.kernels.head.pure_draft_prefix_len, self.pool_size, self.pool)
-            levels = tree_levels(self.kernels, z, base_logits, x_start, cand, self.nodes, self.children)
+            levels = tree_levels(self.kernels, z, base_logits, x_start, cand, self.nodes, self.children,
+                                 self.score_cols)
             return best_nodes(levels.tokens, levels.scores, levels.depth, levels.parent, self.nodes, z.shape[0],
                               ancestors)
         return grow_tree(self.draft, z, base_logits, x_start, self.embed_tokens, self.nodes, self.children,
