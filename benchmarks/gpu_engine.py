@@ -299,6 +299,9 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
         result[key + "_sampled"] = run_sampled(args, engines, plan, time.perf_counter() + args.sampled_seconds)
 
 
+ROUND_COSTS = ("draft_ms_per_round", "rollout_ms_per_round", "verify_ms_per_round", "host_ms_per_round", "wall_ms_per_round")
+
+
 def run_sampled(args: argparse.Namespace, engines: dict, plan: list, deadline: float) -> dict:
     """The --sampled-modes at --temperature on the same prompts, interleaved, each prompt seeded alike
     for every mode -> τ, tokens/s and × the first mode (our AR, sampled). Lossless sampling is
@@ -328,7 +331,8 @@ def run_sampled(args: argparse.Namespace, engines: dict, plan: list, deadline: f
         new = sum(len(g.token_ids) for g in gens[mode])
         p = pooled(gens[mode])
         out["summary"][mode] = dict(tau=p["acceptance_length"], tau_se=p["acceptance_length_se"], new_tokens=new, seconds=round(seconds[mode], 3),
-                                    tokens_per_s=new / seconds[mode] if seconds[mode] else None)
+                                    tokens_per_s=new / seconds[mode] if seconds[mode] else None,
+                                    **{k: p[k] for k in ROUND_COSTS})  # where a sampled round's time goes
     base = out["summary"][modes[0]]["tokens_per_s"] if modes else None
     for m in out["summary"].values():
         m["speedup_vs_first"] = m["tokens_per_s"] / base if base and m["tokens_per_s"] else None
@@ -622,10 +626,13 @@ def tables(result: dict) -> str:
         sampled = result.get(key + "_sampled")
         if sampled and sampled.get("summary"):
             lines += ["", f"sampled, T = {sampled['temperature']}, {sampled['prompts']} prompts, the same seeds per prompt", "",
-                      "| mode | τ ± SE | tokens/s | × " + sampled["modes"][0] + " |", "|---|---|---|---|"]
+                      "| mode | τ ± SE | tokens/s | × " + sampled["modes"][0] + " | device: draft / chain / verify ms per "
+                      "round | host: plan / launch / wait / commit ms | wall ms per round |", "|---|---|---|---|---|---|---|"]
             for mode, m in sampled["summary"].items():
+                phases = " / ".join(fmt(m.get(k)) for k in ROUND_COSTS[:3])
+                host = " / ".join(fmt(v) for v in m["host_ms_per_round"].values()) if m.get("host_ms_per_round") else ""
                 lines.append(f"| {mode} | {fmt(m['tau'])} ± {fmt(m['tau_se'])} | {fmt(m['tokens_per_s'], 1)} | "
-                             f"{fmt(m['speedup_vs_first'])} |")
+                             f"{fmt(m['speedup_vs_first'])} | {phases} | {host} | {fmt(m.get('wall_ms_per_round'))} |")
     proj = result.get("projection")
     if proj and "rows" in proj:
         lines += ["", f"(iv) {proj['label']}: {proj['shapes']} shapes, {proj['dtype']}, KV prefix {proj['prefix']}, "
