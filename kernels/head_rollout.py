@@ -50,19 +50,22 @@ from dominospec.kernels.gru_cell import GruWeights, gru_update, gru_weights
 
 @dataclass
 class HeadChain:
-    """tokens [K] long (d_1..d_K); confidence [K] fp32 (q_j(d_j), softmax of the scored logits) or None."""
+    """tokens [K] long (d_1..d_K); confidence [K] fp32 (q_j(d_j), softmax of the scored logits) or None;
+    probs [K, V] fp32 (sampled: each q_j over the vocabulary, 0 outside the pool) or None."""
 
     tokens: torch.Tensor
     confidence: Optional[torch.Tensor]
+    probs: Optional[torch.Tensor] = None
 
 
 # ---- kernels ----------------------------------------------------------------------------------
 
 
 @triton.jit
-def _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr, POOL: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
-    """A score step's n_parts partials -> (token id int64, its logit, logsumexp) of the whole row.
+def _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, part_key_ptr, part_val_ptr, n_parts, ids_ptr,
+                     POOL: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A score step's n_parts partials -> (token id int64, its (scaled) logit, logsumexp) of the whole
+    row: greedy, the argmax; SAMPLE, the winner of the race (the largest key: module docstring).
 
     Ties: the lowest column among the programs holding the maximum (programs interleave tiles, so
     program order is not column order)."""
@@ -71,14 +74,22 @@ def _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr,
     maxes = tl.load(part_max_ptr + offs, mask=mask, other=float("-inf"))
     best = tl.max(maxes, axis=0)
     pos = tl.load(part_pos_ptr + offs, mask=mask, other=0)
-    first = tl.min(tl.where(mask & (maxes == best), pos, 2 ** 31 - 1), axis=0)
     sums = tl.load(part_sum_ptr + offs, mask=mask, other=0.0)
     lse = best + tl.log(tl.sum(tl.where(mask, sums * tl.exp(maxes - best), 0.0), axis=0))
+    if SAMPLE:
+        keys = tl.load(part_key_ptr + offs, mask=mask, other=float("-inf"))
+        top = tl.max(keys, axis=0)
+        first = tl.min(tl.where(mask & (keys == top), pos, 2 ** 31 - 1), axis=0)
+        vals = tl.load(part_val_ptr + offs, mask=mask, other=float("-inf"))
+        value = tl.max(tl.where(mask & (keys == top) & (pos == first), vals, float("-inf")), axis=0)
+    else:
+        first = tl.min(tl.where(mask & (maxes == best), pos, 2 ** 31 - 1), axis=0)
+        value = best
     if POOL:
         token = tl.load(ids_ptr + first).to(tl.int64)
     else:
         token = first.to(tl.int64)
-    return token, best, lse
+    return token, value, lse
 
 
 @triton.jit
@@ -98,15 +109,18 @@ def _rows_gemv(w_ptr, stride_w, rows, mask_rows, x_ptr, n, BLOCK_K: tl.constexpr
 @triton.jit
 def _score_step_kernel(
     zproj_ptr, hpart_ptr, n_hparts, w2_ptr, base_ptr, ids_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr,
+    part_key_ptr, part_val_ptr, noise_ptr, scaled_ptr, inv_temp,
     n_cols, r, stride_w2, n_tiles, n_score,
     state_ptr, w_hh_ptr, gh_ptr, G, stride_w_hh,
-    CORRECT: tl.constexpr, POOL: tl.constexpr, GEMV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_GH: tl.constexpr, BLOCK_K: tl.constexpr,
+    CORRECT: tl.constexpr, POOL: tl.constexpr, GEMV: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GH: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Grid (n_score + GEMV programs,). Programs p < n_score score tiles p, p + n_score, ... of one row ->
     part_*[p] = (max, first column of the max, Σ exp(x - max)); CORRECT=False scores the base row alone
-    (a pure draft slot). The others (GEMV) compute the next GRU step's gh = W_hh · s_j [3G], BLOCK_GH
-    rows each: it needs s_j only, not the token this step picks, so it runs beside the scoring."""
+    (a pure draft slot). SAMPLE: the logits are scaled by 1/T first and written to scaled[column]; the
+    column is the one of largest key x - log(-log U), U = noise[column], and part_key / part_val[p] hold
+    its key and x. The others (GEMV) compute the next GRU step's gh = W_hh · s_j [3G], BLOCK_GH rows
+    each: it needs s_j only, not the token this step picks, so it runs beside the scoring."""
     pid = tl.program_id(0)
     if pid < n_score:
         offs_r = tl.arange(0, BLOCK_R)
@@ -121,6 +135,8 @@ def _score_step_kernel(
         run_max = float("-inf")
         run_pos = 0
         run_sum = 0.0
+        run_key = float("-inf")
+        run_val = float("-inf")
         for tile in range(pid, n_tiles, n_score):
             offs = tile * BLOCK_V + lanes
             mask = offs < n_cols
@@ -135,16 +151,32 @@ def _score_step_kernel(
                             mask=mask[:, None] & mask_r[None, :], other=0.0,
                             eviction_policy="evict_last" if POOL else "evict_first").to(tl.float32)  # [BLOCK_V, BLOCK_R]
                 logits += tl.sum(w * mid[None, :], axis=1)
+            if SAMPLE:
+                logits = logits * inv_temp
+                tl.store(scaled_ptr + offs, logits, mask=mask)
             logits = tl.where(mask, logits, float("-inf"))
             tile_max = tl.max(logits, axis=0)
-            tile_first = tl.argmax(logits, axis=0, tie_break_left=True)
             new_max = tl.maximum(run_max, tile_max)
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
-            run_pos = tl.where(tile_max > run_max, tile * BLOCK_V + tile_first, run_pos)  # earlier tiles win ties
+            if SAMPLE:  # the exponential race: argmax q / E = argmax x - log E, E = -log U
+                key = logits - tl.log(-tl.log(tl.load(noise_ptr + offs, mask=mask, other=0.5)))
+                key = tl.where(mask, key, float("-inf"))
+                tile_key = tl.max(key, axis=0)
+                tile_first = tl.argmax(key, axis=0, tie_break_left=True)
+                tile_val = tl.max(tl.where(lanes == tile_first, logits, float("-inf")), axis=0)
+                run_val = tl.where(tile_key > run_key, tile_val, run_val)
+                run_pos = tl.where(tile_key > run_key, tile * BLOCK_V + tile_first, run_pos)  # earlier tiles win ties
+                run_key = tl.maximum(run_key, tile_key)
+            else:
+                tile_first = tl.argmax(logits, axis=0, tie_break_left=True)
+                run_pos = tl.where(tile_max > run_max, tile * BLOCK_V + tile_first, run_pos)  # earlier tiles win ties
             run_max = new_max
         tl.store(part_max_ptr + pid, run_max)
         tl.store(part_pos_ptr + pid, run_pos.to(tl.int32))
         tl.store(part_sum_ptr + pid, run_sum)
+        if SAMPLE:
+            tl.store(part_key_ptr + pid, run_key)
+            tl.store(part_val_ptr + pid, run_val)
     elif GEMV:
         rows = (pid - n_score) * BLOCK_GH + tl.arange(0, BLOCK_GH)
         mask_rows = rows < 3 * G
@@ -152,15 +184,15 @@ def _score_step_kernel(
 
 
 @triton.jit
-def _input_gates_kernel(x_start_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr, embed_ptr, w_ih_ptr,
-                        gi_ptr, G, H, stride_embed, stride_w_ih,
-                        REDUCE: tl.constexpr, POOL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GH: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _input_gates_kernel(x_start_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr, part_key_ptr, part_val_ptr, n_parts,
+                        ids_ptr, embed_ptr, w_ih_ptr, gi_ptr, G, H, stride_embed, stride_w_ih,
+                        REDUCE: tl.constexpr, POOL: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_GH: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (cdiv(3G, BLOCK_GH),), only without the [V, 3G] table: the token (REDUCE: from the score
     step's partials, else x_start), then gi[rows] = W_ih[rows] · E[token] for BLOCK_GH of the 3G rows."""
     if REDUCE:
-        token, best, lse = _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr, POOL,
-                                            BLOCK_S)
+        token, best, lse = _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, part_key_ptr, part_val_ptr,
+                                            n_parts, ids_ptr, POOL, SAMPLE, BLOCK_S)
     else:
         token = tl.load(x_start_ptr).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_GH + tl.arange(0, BLOCK_GH)
@@ -171,10 +203,10 @@ def _input_gates_kernel(x_start_ptr, part_max_ptr, part_pos_ptr, part_sum_ptr, n
 
 @triton.jit
 def _gru_step_kernel(
-    tokens_ptr, best_ptr, lse_ptr, step, part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr,
-    table_ptr, state_ptr, gh_ptr, out_ptr, w1s_t_ptr, hpart_ptr, G, r, stride_table,
-    REDUCE: tl.constexpr, POOL: tl.constexpr, RUN_GRU: tl.constexpr, FIRST: tl.constexpr, USE_TABLE: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    tokens_ptr, best_ptr, lse_ptr, step, part_max_ptr, part_pos_ptr, part_sum_ptr, part_key_ptr, part_val_ptr,
+    n_parts, ids_ptr, table_ptr, state_ptr, gh_ptr, out_ptr, w1s_t_ptr, hpart_ptr, G, r, stride_table,
+    REDUCE: tl.constexpr, POOL: tl.constexpr, SAMPLE: tl.constexpr, RUN_GRU: tl.constexpr, FIRST: tl.constexpr,
+    USE_TABLE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Grid (cdiv(G, BLOCK_G),): the token tokens[step] (REDUCE: from the previous score step's partials,
     stored with its logit and logsumexp at step - 1), then (RUN_GRU) the GRU slice of program c:
@@ -198,8 +230,8 @@ def _gru_step_kernel(
             gh_n = tl.load(gh_ptr + 2 * G + offs_g, mask=mask_g, other=0.0)
             s = tl.load(state_ptr + offs_g, mask=mask_g, other=0.0).to(tl.float32)
     if REDUCE:
-        token, best, lse = _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, n_parts, ids_ptr, POOL,
-                                            BLOCK_S)
+        token, best, lse = _reduce_partials(part_max_ptr, part_pos_ptr, part_sum_ptr, part_key_ptr, part_val_ptr,
+                                            n_parts, ids_ptr, POOL, SAMPLE, BLOCK_S)
         first = pid == 0
         tl.store(tokens_ptr + step, token, mask=first)
         tl.store(best_ptr + step - 1, best, mask=first)
@@ -282,9 +314,14 @@ def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tenso
                  pool_ids: Optional[torch.Tensor] = None, confidence: bool = False,
                  block_v: Optional[int] = None, score_programs: Optional[int] = None,
                  block_g: Optional[int] = None, score_warps: Optional[int] = None,
-                 block_gh: Optional[int] = None, gru_warps: Optional[int] = None) -> HeadChain:
+                 block_gh: Optional[int] = None, gru_warps: Optional[int] = None,
+                 noise: Optional[torch.Tensor] = None, temperature: float = 1.0) -> HeadChain:
     """z [K, H], u [K, V] (last dim contiguous), x_start [1] (long, on device), pool ids [M] or None
-    -> HeadChain (greedy). Same tokens as the model's greedy `rollout` up to fp32 summation order.
+    -> HeadChain. Greedy: the same tokens as the model's greedy `rollout` up to fp32 summation order.
+    Sampled (`noise` [K, V] fp32 uniforms, last dim contiguous; T = `temperature` > 0, no top-k or
+    top-p): step j draws from q_j = softmax(scored_j / T) by the race on noise[j]'s first N columns
+    (N = M pooled, else V), as `engine.draft_head._Draws` does, and the chain carries q_j (probs) and
+    q_j(d_j) (confidence).
     block_v, score_programs, block_g, score_warps, block_gh, gru_warps: override `rollout_plan`'s defaults."""
     K = z.shape[0]
     gru = weights.gru
@@ -314,6 +351,12 @@ def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tenso
     part_max = torch.empty(block_s, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     part_pos = torch.empty(block_s, dtype=torch.int32, device=device)
+    sample = noise is not None
+    if sample:
+        assert noise.shape == (K, V) and noise.stride(-1) == 1 and temperature > 0, (tuple(noise.shape), temperature)
+    part_key, part_val = torch.empty_like(part_max), torch.empty_like(part_max)  # the race's partials (sampled)
+    scaled = torch.empty(K, V, dtype=torch.float32, device=device) if sample else part_max  # step j's x / T
+    noise_rows = noise if sample else scaled
     best = torch.empty(K, dtype=torch.float32, device=device)
     lse = torch.empty_like(best)
     z_proj = F.linear(z.to(weights.w1_z.dtype), weights.w1_z)  # [K, r], all slots in one GEMM
@@ -324,15 +367,15 @@ def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tenso
     def gru_step(step: int, reduce: bool, pooled: bool, n_parts: int, run_gru: bool) -> None:
         if run_gru and not use_table:
             _input_gates_kernel[(n_gemv,)](
-                x_start, part_max, part_pos, part_sum, n_parts, ids, gru.embed, gru.w_ih, gi, G, gru.embed.shape[1],
-                gru.embed.stride(0), gru.w_ih.stride(0), REDUCE=reduce, POOL=pooled, BLOCK_S=block_s,
-                BLOCK_GH=plan.block_gh, BLOCK_K=block_k,
+                x_start, part_max, part_pos, part_sum, part_key, part_val, n_parts, ids, gru.embed, gru.w_ih, gi, G,
+                gru.embed.shape[1], gru.embed.stride(0), gru.w_ih.stride(0), REDUCE=reduce, POOL=pooled,
+                SAMPLE=sample, BLOCK_S=block_s, BLOCK_GH=plan.block_gh, BLOCK_K=block_k,
             )
         _gru_step_kernel[(n_gru if run_gru else 1,)](
-            x_start if step == 0 else tokens, best, lse, step, part_max, part_pos, part_sum, n_parts, ids,
-            table if use_table else gi, states[step], gh, states[step + 1 if run_gru else step],
+            x_start if step == 0 else tokens, best, lse, step, part_max, part_pos, part_sum, part_key, part_val,
+            n_parts, ids, table if use_table else gi, states[step], gh, states[step + 1 if run_gru else step],
             weights.w1_s_t, hpart, G, r, table.stride(0) if use_table else 0,
-            REDUCE=reduce, POOL=pooled, RUN_GRU=run_gru, FIRST=step == 0, USE_TABLE=use_table,
+            REDUCE=reduce, POOL=pooled, SAMPLE=sample, RUN_GRU=run_gru, FIRST=step == 0, USE_TABLE=use_table,
             BLOCK_S=block_s, BLOCK_G=plan.block_g, BLOCK_R=block_r, num_warps=plan.gru_warps,
         )
 
@@ -345,11 +388,23 @@ def head_rollout(weights: HeadWeights, z: torch.Tensor, base_logits: torch.Tenso
         gemv = j + 1 < K  # gh = W_hh · s_j for GRU step j + 1
         _score_step_kernel[(step_plan.score_programs + (n_gemv if gemv else 0),)](
             z_proj[j], hpart, n_gru, weights.w2, base_logits[j], ids, part_max, part_pos, part_sum,
+            part_key, part_val, noise_rows[j], scaled[j] if sample else scaled, 1.0 / temperature if sample else 1.0,
             n_cols if corrected else V, r, weights.w2.stride(0), n_tiles, step_plan.score_programs,
             states[j + 1], gru.w_hh, gh, G, gru.w_hh.stride(0),
-            CORRECT=corrected, POOL=pooled, GEMV=gemv, BLOCK_V=step_plan.block_v, BLOCK_R=block_r,
+            CORRECT=corrected, POOL=pooled, GEMV=gemv, SAMPLE=sample, BLOCK_V=step_plan.block_v, BLOCK_R=block_r,
             BLOCK_P=triton.next_power_of_2(n_gru), BLOCK_GH=plan.block_gh, BLOCK_K=block_k,
             num_warps=step_plan.score_warps,
         )
         gru_step(j + 1, reduce=True, pooled=pooled, n_parts=step_plan.score_programs, run_gru=j + 1 < K)
-    return HeadChain(tokens[1:], torch.exp(best - lse) if confidence else None)
+    if not sample:
+        return HeadChain(tokens[1:], torch.exp(best - lse) if confidence else None)
+    q = torch.exp(scaled - lse[:, None])  # [K, V]: row j's first N columns are q_j (N = M on a pooled step)
+    probs = torch.zeros(K, V, dtype=torch.float32, device=device)
+    pure = min(P, K)
+    probs[:pure] = q[:pure]
+    if K > pure:
+        if pool:
+            probs[pure:].index_copy_(1, pool_ids, q[pure:, :n_cols])
+        else:
+            probs[pure:] = q[pure:]
+    return HeadChain(tokens[1:], torch.exp(best - lse), probs)

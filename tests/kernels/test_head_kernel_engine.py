@@ -3,7 +3,7 @@
 - DraftHead's greedy chain on the prepared kernels equals the model's rollout (the torch path) token
   for token (full vocabulary and candidate pool; confidence within 1e-5), and so do its branches;
 - SpecEngine(head_kernel="triton") generates what head_kernel torch generates, with equal
-  acceptance round by round (identical drafts);
+  acceptance round by round (identical drafts), greedy and sampled (the race on the same uniforms);
 - the switch raises a UserError naming the key where Triton cannot run.
 Run: python -m pytest tests/kernels/test_head_kernel_engine.py -q
 """
@@ -70,6 +70,37 @@ def test_engine_with_triton_head_equals_torch_head(setup):
         a, b = torch_engine.generate(prompt, 12), triton_engine.generate(prompt, 12)
         assert b.token_ids == a.token_ids
         assert b.stats.accepted_lengths == a.stats.accepted_lengths  # the same drafts, round by round
+
+
+@cpu_engine
+def test_sampled_engine_with_triton_head_draws_as_the_torch_head(setup, monkeypatch):
+    """A temperature-only sampled chain runs on the kernels (kernels.head_rollout's race) from the same
+    uniforms as the torch path: with the full vocabulary (no pool order to differ) the same seed gives
+    the same tokens and the same rounds."""
+    import dominospec.kernels.head_rollout as kernel
+
+    sampled_calls = []
+    rollout = kernel.head_rollout
+
+    def counted(*args, **kwargs):
+        sampled_calls.append(kwargs.get("noise") is not None)
+        return rollout(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "head_rollout", counted)
+    target, draft, _ = setup
+    options = dict(candidate_pool=0, ngram_fork=False)
+    torch_engine = SpecEngine(target, draft, "domino", params=engine_params(**options))
+    triton_engine = SpecEngine(target, draft, "domino", params=engine_params(head_kernel="triton", **options))
+    sampling = Sampling(temperature=0.8)
+    seen = set()
+    for i, prompt in enumerate(random_prompts(3, V, seed=6)):
+        a = torch_engine.generate(prompt, 12, sampling, seed=i)
+        b = triton_engine.generate(prompt, 12, sampling, seed=i)
+        assert b.token_ids == a.token_ids
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths
+        seen.add(tuple(a.token_ids))
+    assert len(seen) == 3
+    assert sampled_calls and all(sampled_calls), "the triton engine's sampled chains ran on the kernels"
 
 
 @cpu_engine

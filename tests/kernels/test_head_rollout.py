@@ -117,3 +117,52 @@ def test_pool_ties_go_to_the_first_pool_position():
     weights = head_weights(embed, w_ih, w_hh, w1, w2, P, 1 << 40)
     chain = head_rollout(weights, z, base, torch.tensor([1], device=DEVICE), ids, block_v=2, score_programs=2)
     assert chain.tokens.tolist() == [7, 30]  # slot 0 is pure (full row: lowest id), slot 1 pooled (first position)
+
+
+def sampled_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids, noise, temperature):
+    """The model's rollout drawing each step by the race on `noise` (engine.draft_head._Draws, the
+    sampled chain's torch path) -> (tokens [K], q [K, V], q_j(d_j) [K])."""
+    from dominospec.bench import head_model
+    from dominospec.engine.draft_head import _Draws
+    from dominospec.engine.sampling import Sampling
+
+    model, table = head_model(embed, w_ih, w_hh, w1, w2, P, z.shape[0])
+    draws = _Draws(Sampling(temperature=temperature), noise, base.shape[1], ids)
+    out = model.rollout(z, base, x_start, table, sampler=draws, pool=ids, keep_logits=False)
+    return out.tokens, torch.stack(draws.probs), torch.stack(draws.beliefs)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+@pytest.mark.parametrize("pool", [0, 11])
+@pytest.mark.parametrize("V, H, G, r, K, P", CASES)
+def test_fp32_sampled_chain_equals_the_race_on_the_same_noise(V, H, G, r, K, P, pool, temperature):
+    """Token for token the torch path's draws from the same uniforms (so the kernel draws from q_j
+    exactly, as the race's chi-square test shows for the torch path), and the same q and q_j(d_j)."""
+    embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.float32, seed=K + pool)
+    x_start = torch.tensor([3], device=DEVICE)
+    ids = pool_of(base, P, pool) if K > P else None
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, P, table_budget_bytes=1 << 40)
+    g = torch.Generator(DEVICE).manual_seed(V + pool)
+    for trial in range(4):
+        noise = torch.rand(K, V, generator=g, device=DEVICE)
+        chain = head_rollout(weights, z, base, x_start, ids, block_v=16, noise=noise, temperature=temperature)
+        tokens, q, belief = sampled_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids, noise, temperature)
+        assert chain.tokens.tolist() == tokens.tolist(), trial
+        torch.testing.assert_close(chain.probs, q, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(chain.confidence, belief, atol=1e-6, rtol=1e-5)
+        if ids is not None:
+            assert set(chain.tokens[P:].tolist()) <= set(ids.tolist()), "a pooled step draws inside the pool"
+
+
+def test_sampled_chains_follow_the_noise():
+    """Different uniforms give different chains (else the equality above could hold for a kernel
+    that ignores the noise), and T -> 0 gives the greedy chain."""
+    embed, w_ih, w_hh, w1, w2, z, base = make(203, 37, 19, 13, 7, torch.float32, seed=5)
+    weights = head_weights(embed, w_ih, w_hh, w1, w2, 1, 1 << 40)
+    x_start = torch.tensor([3], device=DEVICE)
+    g = torch.Generator(DEVICE).manual_seed(0)
+    chains = {tuple(head_rollout(weights, z, base, x_start, noise=torch.rand(7, 203, generator=g, device=DEVICE),
+                                 temperature=1.0).tokens.tolist()) for _ in range(6)}
+    assert len(chains) > 1
+    cold = head_rollout(weights, z, base, x_start, noise=torch.rand(7, 203, generator=g, device=DEVICE), temperature=1e-4)
+    assert cold.tokens.tolist() == head_rollout(weights, z, base, x_start).tokens.tolist()

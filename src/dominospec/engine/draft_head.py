@@ -23,8 +23,10 @@ the softmax of the scored logits at the argmax), the draft's own belief in d_j.
 
 Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains and
 branches of `domino` on the kernels when they are prepared (graphs on static caches); sampled chains
-on torch ops, drawn from uniforms drawn before the rollout (`_Draws`), so that on static caches with
-CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`); the CPU on torch ops.
+drawn from uniforms drawn before the rollout (`_Draws`: the exponential race), on the kernels too
+where they are prepared and the draw is by temperature alone (top-k / top-p: torch ops), so that on
+static caches with CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`); the
+CPU on torch ops.
 """
 
 from __future__ import annotations
@@ -116,7 +118,19 @@ class DraftHead:
     def drawn_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
                     noise: Optional[torch.Tensor]) -> DraftChain:
         """The model's rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms
-        noise [K, V] (row j draws d_j). No host sync: a graph captures it (`SampledChains`)."""
+        noise [K, V] (row j draws d_j). No host sync: a graph captures it (`SampledChains`). With the
+        kernels prepared, a temperature-only draw runs on them (`kernels.head_rollout`: the same race,
+        two launches a step; the pool then comes sorted from `kernels.pool_select`, so the same noise
+        may pick other tokens than the torch path, each drawn from its q exactly)."""
+        if self.kernels is not None and noise is not None and sampling.top_k == 0 and sampling.top_p >= 1.0:
+            from dominospec.kernels.head_rollout import head_rollout
+            from dominospec.kernels.pool_select import pool_select
+
+            workspace = self.graphs.pool if self.graphs is not None else None
+            cand = pool_select(base_logits, self.P, self.pool_size, workspace)
+            chain = head_rollout(self.kernels, z, base_logits, x_start, cand, noise=noise,
+                                 temperature=sampling.temperature)
+            return DraftChain(chain.tokens, chain.probs, chain.confidence)
         cand = self.pool(base_logits)
         draws = _Draws(sampling, noise, base_logits.shape[-1], cand)
         out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, sampler=draws, pool=cand, keep_logits=False)
