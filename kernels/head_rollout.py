@@ -1,4 +1,4 @@
-"""The Domino head's greedy rollout of one block: K sequential steps, two fused launches a step, tokens kept on the device.
+"""The Domino head's rollout of one block, greedy or sampled: K sequential steps, two fused launches a step, on the device.
 
 Inputs: z [K, H] (normed draft states of slots 0..K-1; slot j predicts d_{j+1}), base logits
 u = lm_head(z) [K, V], the last committed token x_start [1]. Slots j < P (pure_draft_prefix_len)
@@ -24,6 +24,14 @@ The reduce is repeated in every program that needs the token and the h sum in ev
 program, instead of atomics or an extra launch: each reads a few kB from L2, and the result is
 deterministic, so a CUDA-graph replay gives the eager run's tokens. Nothing syncs with the host
 and every shape is fixed by (K, pool size): one call can be captured whole in a CUDA graph.
+
+Sampled (a temperature T, no top-k or top-p; uniforms U [K, V] drawn before the rollout): the score
+step scales the logits to x / T, writes them, and keeps beside its running (max, Σ exp) the column
+of the largest key x / T - log(-log U[column]) with its x / T; the reduce takes the largest key.
+That is the exponential race of `engine.draft_head._Draws`: argmax q / E with E = -log U is
+argmax log q - log E, and log q = x / T - lse. The launcher then forms q_j = exp(x / T - lse_j) over
+the step's columns, scattered over the vocabulary (0 outside the pool): the distribution d_j was
+drawn from, which lossless speculative sampling needs. Pure slots draw from u_j / T alike.
 
 Ties go to the lowest column, as torch.argmax (in a pool: the lowest pool position, as torch's
 `ids[argmax(scored)]`). Arithmetic is fp32 whatever the storage dtype; s_{j+1} is rounded to the

@@ -156,6 +156,35 @@ def test_greedy_dominotree_equals_ar(num_draft, runner, options):
         assert sum(s.fork_lookup_wins for s in stats) > 0  # the lookup chain beside the tree wins too
 
 
+def test_auto_budget_re_solves_its_plan_every_few_rounds(monkeypatch):
+    """DominoTree's plan is solved once per REPLAN_ROUNDS rounds (and lookup length), not every round,
+    and what it uses is choose_nodes on the model as it stood at that solve; greedy output stays AR's."""
+    import dominospec.engine.proposers as proposers
+
+    solves = []  # (the survival a solve read, its answer)
+    real = proposers.choose_nodes
+
+    def counted(cost, survival, lookup, nodes_max, kl_max):
+        answer = real(cost, survival, lookup, nodes_max, kl_max)
+        solves.append((np.array(survival, copy=True), answer))
+        return answer
+
+    monkeypatch.setattr(proposers, "choose_nodes", counted)
+    target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
+    draft = tiny_draft(target, block_size=4, head=True)
+    engine = SpecEngine(target, draft, "dominotree", "auto", TREE)
+    engine.cost = streaming_cost(engine.max_verify)
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    stats = stats_equal_to_ar(engine, ar)
+    rounds = sum(s.rounds for s in stats)
+    generations = len(stats)
+    # without lookups one solve an epoch of REPLAN_ROUNDS rounds (a generation's first round is unplanned)
+    assert rounds // proposers.REPLAN_ROUNDS - generations <= len(solves) <= rounds // proposers.REPLAN_ROUNDS + generations
+    assert len({answer for _, answer in solves}) > 1, "the budget moves with the model across solves"
+    for survival, answer in solves:
+        assert answer == real(engine.cost, survival, [], engine.proposer.nodes, 0)
+
+
 def test_dominotree_accepts_more_than_the_chain_on_the_same_draft():
     """On the same random draft a 9-node tree of depth 3 accepts more than the 3-draft chain (it holds
     that chain's first node, and the draft's other guesses besides)."""

@@ -213,8 +213,14 @@ class DraftChains(Proposer):
             self.ranks.update(W, rank)
 
 
+REPLAN_ROUNDS = 4  # auto-budget re-solves DominoTree's plan every this many rounds (its model's window is ~64)
+
+
 class DraftTree(Proposer):
-    """`dominotree`: the best-first tree's best n nodes, and a lookup."""
+    """`dominotree`: the best-first tree's best n nodes, and a lookup. Auto-budget's plan (the tree
+    model's survival and `choose_nodes`, about 0.15 ms of host time a round on a GPU host) is solved
+    once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the model moves by
+    a few percent of its window a round, and on a small target the host bounds a tree round."""
 
     def __init__(self, grower: Any, nodes: int, **shared: Any):
         self.grower, self.nodes = grower, nodes
@@ -223,6 +229,8 @@ class DraftTree(Proposer):
     def fresh(self) -> None:
         super().fresh()
         self.tree_model = TreeModel(self.nodes, self.num_draft, self.window)
+        self.plans: dict[int, tuple[int, int]] = {}  # lookup length -> (n, K_l), since the last re-solve
+        self.since_solve = 0  # rounds the model has learned since `plans` was cleared
 
     @property
     def max_rows(self) -> int:
@@ -237,9 +245,17 @@ class DraftTree(Proposer):
             return Plan(lookup=lookup)
         if not self.auto or self.tree_model.unseen:  # a generation's first tree is verified whole: it teaches all
             return Plan(K, self.nodes, lookup)
-        lookups = self.lookup_acceptance.survival() if lookup else []
-        n, L = choose_nodes(self.cost, self.tree_model.survival_array(), lookups, self.nodes, len(lookup))
+        n, L = self.solved(len(lookup))
         return Plan(K if n else 0, n, lookup[:L])
+
+    def solved(self, kl_max: int) -> tuple[int, int]:
+        """Auto-budget's (n, K_l) for a lookup of kl_max tokens, from the plans kept since the last re-solve."""
+        if not self.plans:
+            self.survival = self.tree_model.survival_array()
+        if kl_max not in self.plans:
+            lookups = self.lookup_acceptance.survival() if kl_max else []
+            self.plans[kl_max] = choose_nodes(self.cost, self.survival, lookups, self.nodes, kl_max)
+        return self.plans[kl_max]
 
     def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
                 generator: Optional[torch.Generator]) -> Proposal:
@@ -264,3 +280,7 @@ class DraftTree(Proposer):
         if self.auto:
             self.tree_model.update(n, [(r - 1, depth) for depth, r in enumerate(path, start=1)])
             self.acceptance.update(K, len(path))
+            self.since_solve += 1
+            if self.since_solve >= REPLAN_ROUNDS:
+                self.plans.clear()
+                self.since_solve = 0
