@@ -18,15 +18,13 @@ every mode runs in turn (interleaved, so all see the same machine drift):
                   recipe). Warmed up first; checked token for token against `ar`
     ngram         SpecEngine "ngram" (prompt lookup, K = ngram_num_draft)
     dflash        SpecEngine "dflash" (head off, K = B - 1)
-    domino        SpecEngine "domino", head_kernel triton on CUDA (torch on CPU)
+    domino        SpecEngine "domino" with engine.tree.shape chain, head_kernel triton on CUDA (torch on CPU)
     domino+ngram  the same with ngram_assist
     domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
                   two branches of one forward, engine.proposers)
-    domino+tree   the same with the draft tree too (`--tree-width` W: the draft's W best first tokens
-                  as W branches, each drafted on, engine.draft_head)
     dominotree+fork  SpecEngine "dominotree" (`--tree-nodes` N best-first nodes, `--tree-children` a node,
-                  engine.domino_tree) with ngram_assist and ngram_fork; under auto-K it verifies the best
-                  n <= N nodes a round
+                  engine.domino_tree) with ngram_assist and ngram_fork: `domino`'s default (params.yaml's
+                  engine.tree.shape best_first); under auto-K it verifies the best n <= N nodes a round
     ... graphs    the same engine modes on static caches with CUDA graphs (`engine.cuda_graphs`: the
                   verify / AR step and the draft block replay captured graphs), transformers' forward;
                   "ar graphs" is its CUDA-graph AR. Each is checked token for token against eager `ar`,
@@ -81,10 +79,10 @@ from dominospec.bench import (HEAD_SHAPES, QWEN3_8B, StaticGenerate, building, c
                               read_prompts, require_cuda, sync, write_json)
 from dominospec.bench import parser as make_parser
 
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "domino+tree", "dominotree+fork",
+MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "dominotree+fork",
          "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
-         "domino+tree graphs", "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "domino lean",
-         "domino+ngram lean", "domino+fork lean", "domino+tree lean", "dominotree+fork lean")
+         "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "domino lean",
+         "domino+ngram lean", "domino+fork lean", "dominotree+fork lean")
 GRAPHED = ("ar lean", "ar graphs")  # our CUDA-graph AR (the lean decoder's when it ran): the baseline of the graph'd modes
 TAUS = (2, 3, 4, 5)
 GRAPH_AR_STATE = {True: "compiled", False: "NOT compiled", None: "not run"}
@@ -191,9 +189,6 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
                                                 dataclasses.replace(opts, ngram_assist=True)),
             "domino+fork" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)),
-            "domino+tree" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
-                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)
-                                               .with_tree(shape="first_token", width=args.tree_width)),
         })
         for nodes in args.tree_nodes:  # one engine per node budget
             engines[tree_mode(nodes, args.tree_nodes) + suffix] = SpecEngine(
@@ -662,7 +657,6 @@ def main() -> None:
     parser.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="K of the draft modes (default B - 1), or auto: auto-K, its cost measured on the first prompt")
     parser.add_argument("--pool", type=int, default=0, help="candidate pool M (0 = full vocabulary)")
-    parser.add_argument("--tree-width", type=int, default=4, help="domino+tree: the draft's W best first tokens as W branches")
     parser.add_argument("--tree-nodes", type=lambda v: [int(n) for n in v.split(",")], default=[28],
                         help="dominotree+fork: the best-first tree's node budget N, or several (64,128,256: one mode each)")
     parser.add_argument("--tree-children", type=int, default=4, help="dominotree+fork: children offered per expansion")

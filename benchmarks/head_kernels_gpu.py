@@ -13,9 +13,6 @@ steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start,
                              (torch selects as engine.draft_head.candidate_pool: max over rows + unsorted
                              torch.topk; Triton with the fused kernels.pool_select: ids ascending)
     pool selection alone     torch max + topk (sorted, unsorted) against the fused selection, in a graph
-    tree W=4 torch / pool triton   a draft tree's 4 branches over the pool (engine.draft_head): the torch
-                             rollout of all 4 rows (the model's rollout with first=...) against
-                             kernels.head_branches, eager and in a graph (--tree-width; 0 = no tree rows)
 
 `--shapes smollm2` times the embedded default's draft instead (vocab 49,152, hidden 576, GRU 256,
 rank 64, block 8 -> K = 7): the head the end-to-end runs on SmolLM2-135M use.
@@ -33,7 +30,7 @@ Checks (a graph'd path can run and still be wrong; docs/design.md §6):
 The exit status is 1 if any check fails. Prints a markdown table last; --out writes JSON.
 
     python benchmarks/head_kernels_gpu.py --out head_kernels_h200.json [--reps 200] [--block-v N]
-        [--shapes qwen3-8b|smollm2] [--tree-width 4]
+        [--shapes qwen3-8b|smollm2]
     python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
 
 Needs torch, triton, transformers and the dominospec package installed (`pip install --no-deps .`
@@ -176,10 +173,6 @@ def run(args) -> dict:
             checks.append(dict(check="bf16 fused pool selection + graph vs its eager run", equal=same,
                                first_divergence=None, margin=None, ok=same))
         rows.append(dict(path=f"{name} + graph", ms=device_ms(replay, args.reps, cuda)))
-    if args.tree_width:
-        tree_rows, tree_checks = trees(hr, w, s, budget, args.tree_width, args.reps, cuda)
-        rows += tree_rows
-        checks += tree_checks
     sweep = plan_sweep(hr, w, s, budget, args) if args.sweep and cuda else []
     profile = kernel_profile(hr, w, s, budget) if args.profile and cuda else []
     bf16_ulps = 2 * 2 ** -7  # 2 ulps of bf16 (8 significant bits), relative to the top logit
@@ -202,53 +195,6 @@ def run(args) -> dict:
         rows=rows, checks=checks, ok=all(c["ok"] for c in checks), sweep=sweep,
         profile=profile,
     )
-
-
-def trees(hr, w: dict, s: dict, budget: int, width: int, reps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
-    """A draft tree of `width` branches over the pool (engine.draft_head), timed eager and graph'd: the torch
-    ops of all rows at once against kernels.head_branches. Checks: the kernels' graph = their eager run
-    exactly; fp32 kernels = torch over the same pool exactly (bf16 is timed only: torch rounds each op)."""
-    from dominospec.kernels.head_branches import head_branches
-    from dominospec.kernels.pool_select import pool_select, pool_workspace
-
-    P, M = s["prefix"], s["pool"]
-    rows, checks = [], []
-    for dtype in (torch.float32, torch.bfloat16):
-        v = w if dtype == torch.bfloat16 else random_head(s, torch.float32, w["base"].device)
-        args = (v["embed"], v["w_ih"], v["w_hh"], v["w1"], v["w2"], P)
-        weights = hr.head_weights(*args, table_budget_bytes=budget)
-        model, table = head_model(*args, v["z"].shape[0])
-        ws = pool_workspace(s["vocab"], M, v["base"].dtype, v["base"].device)
-        first = torch.topk(v["base"][0].float(), width).indices
-
-        def fused():
-            ids = pool_select(v["base"], P, M, ws)
-            return head_branches(weights, v["z"], v["base"], v["x_start"], first, ids)
-
-        def reference():
-            ids = pool_ids(v["base"], P, M)
-            return model.rollout(v["z"], v["base"], v["x_start"], table, first=first, pool=ids, keep_logits=False).tokens
-
-        eager = fused().clone()
-        if dtype == torch.float32:
-            same = torch.equal(eager, model.rollout(v["z"], v["base"], v["x_start"], table, first=first,
-                                                    pool=pool_select(v["base"], P, M).clone(), keep_logits=False).tokens)
-            checks.append(dict(check=f"fp32 tree W={width} pool triton vs eager torch (same pool)", equal=same,
-                               first_divergence=None, margin=None, ok=same))
-            continue
-        for name, fn in ((f"tree W={width} torch", reference), (f"tree W={width} pool triton", fused)):
-            rows.append(dict(path=f"{name} (eager)", ms=device_ms(fn, reps, cuda)))
-            if not cuda:
-                continue
-            replay, out = capture(fn)
-            replay()
-            torch.cuda.synchronize()
-            if "triton" in name:
-                same = torch.equal(out, eager)
-                checks.append(dict(check=f"bf16 {name} + graph vs its eager run", equal=same,
-                                   first_divergence=None, margin=None, ok=same))
-            rows.append(dict(path=f"{name} + graph", ms=device_ms(replay, reps, cuda)))
-    return rows, checks
 
 
 SWEEP = {  # launch shapes tried by --sweep (kernels.head_rollout.rollout_plan's arguments)
@@ -341,7 +287,6 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also time each kernel of the plans in PROFILED (GPU)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter, no graphs")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="the head's shapes (not --smoke)")
-    p.add_argument("--tree-width", type=int, default=4, help="branches of the tree rows; 0 = none")
     args = p.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported

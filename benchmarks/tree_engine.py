@@ -1,18 +1,17 @@
-"""Chain, first-token tree and DominoTree in the engine, at equal verify rows, greedy and sampled.
+"""The Domino chain and DominoTree in the engine, greedy and sampled.
 
 One run on this machine, every prompt through every mode back to back (interleaved): the Domino
-chain (K drafts, K + 1 verify rows), the first-token tree (`engine.tree.width` W: the W best first
-tokens, each drafted on: 1 + W·K rows) and DominoTree (`dominotree`, N nodes best first: 1 + N rows,
-N = W·K by default, so both trees verify the same rows). Fixed shapes by default (no auto-K, no
-prompt lookup), so τ does not depend on the machine's load; tokens/s are against AR in the same
-run. `--num-draft auto` lets each mode choose its shape every round from one calibration of this
-machine's costs (evaluate's rule): the chain its K, the first-token tree its width and K, DominoTree
-how many of its best nodes to verify; the rows column then gives the most a round may verify.
+chain (K drafts, K + 1 verify rows) and DominoTree (`domino` with engine.tree.shape best_first, N
+nodes best first: 1 + N rows, params' engine.tree.nodes by default). Fixed shapes by default (no
+auto-K, no prompt lookup), so τ does not depend on the machine's load; tokens/s are against AR in
+the same run. `--num-draft auto` lets each mode choose its shape every round from one calibration of
+this machine's costs (evaluate's rule): the chain its K, DominoTree how many of its best nodes to
+verify; the rows column then gives the most a round may verify.
 Greedy modes are checked token for token against AR; at `--temperature` T > 0 the chain and
 DominoTree run with the same seeds (their τ compared; losslessness is tests/engine/test_domino_tree.py's).
 
     python benchmarks/tree_engine.py --draft DIR [--params params.yaml] [--prompts 16] [--new-tokens 128] \
-        [--width 4] [--nodes 28] [--children 4] [--temperature 0.7] [--out results.json]
+        [--nodes 28] [--children 4] [--temperature 0.7] [--out results.json]
 
 Prints a markdown table per suite: mode, verify rows a round (the most), τ ± SE, exact match, × AR.
 """
@@ -36,8 +35,7 @@ def main() -> None:
 
     p = parser(__doc__, threads=2, prompts=16, new_tokens=128)
     p.add_argument("--draft", required=True, help="a trained draft with the Domino head (HF layout)")
-    p.add_argument("--width", type=int, default=4, help="the first-token tree's W")
-    p.add_argument("--nodes", type=int, default=None, help="DominoTree's N (default W·K: the same rows)")
+    p.add_argument("--nodes", type=int, default=None, help="DominoTree's N (default: params' engine.tree.nodes)")
     p.add_argument("--children", type=int, default=4, help="DominoTree's children per expansion")
     p.add_argument("--temperature", type=float, default=0.7, help="the sampled pass (0: none)")
     p.add_argument("--num-draft", default=None, help="auto: auto-K / auto-budget (default: fixed K = B - 1, all N nodes)")
@@ -50,17 +48,15 @@ def main() -> None:
     base = dataclasses.replace(params.engine, linear=linear, ngram_assist=False, ngram_fork=False).with_tree(
         shape="chain")
     K = int(draft.config.block_size) - 1
-    nodes = args.nodes or args.width * K
+    nodes = args.nodes or params.engine.tree.nodes
     k = "auto" if args.num_draft == "auto" else K
     engines = {
         "ar": SpecEngine(target, None, "ar", None, base),
         "chain": SpecEngine(target, draft, "domino", k, base),
-        f"first-token W={args.width}": SpecEngine(target, draft, "domino", k, base.with_tree(shape="first_token",
-                                                                                                   width=args.width)),
         f"DominoTree N={nodes}": SpecEngine(target, draft, "dominotree", k, base.with_tree(
             nodes=nodes, children=args.children)),
     }
-    rows = {"ar": 1, "chain": K + 1, f"first-token W={args.width}": 1 + args.width * K, f"DominoTree N={nodes}": 1 + nodes}
+    rows = {"ar": 1, "chain": K + 1, f"DominoTree N={nodes}": 1 + nodes}
     passes = [("greedy", Sampling())]
     if args.temperature > 0:
         passes.append((f"T={args.temperature}", Sampling(temperature=args.temperature)))
@@ -72,8 +68,7 @@ def main() -> None:
                 calibrate_together(engines, "chain", suite.prompts[0])
             warm_up(engines, suite.prompts[0])  # first calls allocate and pick kernels
             for label, sampling in passes:
-                modes = engines if sampling.greedy else {m: e for m, e in engines.items() if "first-token" not in m}
-                runs = interleaved(modes, suite.prompts, args.new_tokens, sampling, params.evaluate.seed,
+                runs = interleaved(engines, suite.prompts, args.new_tokens, sampling, params.evaluate.seed,
                                    f"{suite.name} {label}")
                 for m, gens in runs.items():
                     tau = sum(g.stats.round_tokens for g in gens) / sum(g.stats.rounds for g in gens)

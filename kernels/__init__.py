@@ -5,8 +5,8 @@ The Domino head's rollout (the engine's `engine.head_kernel`):
 - gru_cell: fused bias-free GRU cell; token id on device, input gates from a [V, 3G] table or a GEMV.
 - correction_argmax: SiLU(h) · W2ᵀ + base logits, split-vocabulary argmax (+ logsumexp); candidate pool.
 - head_rollout: the whole greedy K-step rollout of one block on device (CUDA-graph capturable).
-- head_branches: the same for a draft tree's W branches of one block.
 - pool_select: the candidate pool (top-M of the max over rows) as a radix select, ids ascending.
+- tree_grow: DominoTree's build, the best-first draft tree's frontiers, four launches a depth.
 
 The lean decoder's layer (the engine's `engine.lean_target`, nine launches a layer):
 - rms_norm: RMSNorm with the residual add before it.

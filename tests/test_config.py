@@ -86,18 +86,31 @@ def test_stage_script_rejects_bad_params_before_work(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("old", ["tree_width", "tree_nodes", "tree_children"])
+@pytest.mark.parametrize("old", ["tree_nodes", "tree_children"])
 def test_the_old_tree_keys_fail_naming_what_replaced_them(tmp_path, old):
-    """engine.tree_width / tree_nodes / tree_children became the engine.tree family; no alias."""
+    """engine.tree_nodes / tree_children became the engine.tree family; no alias."""
     path = write_params(tmp_path, lambda r: r["engine"].update({old: 4}))
     with pytest.raises(ParamsError) as err:
         load_params(path)
-    new = old.replace("tree_", "tree.")
-    assert str(err.value).startswith(f"params.yaml: unknown key 'engine.{old}': replaced by engine.{new} (")
+    assert str(err.value) == f"params.yaml: unknown key 'engine.{old}': replaced by engine.{old.replace('tree_', 'tree.')}"
 
 
-def test_the_default_tree_is_the_first_token_tree_of_width_4():
+@pytest.mark.parametrize("edit, key", [
+    (lambda r: r["engine"].update(tree_width=4), "unknown key 'engine.tree_width'"),
+    (lambda r: r["engine"]["tree"].update(width=4), "unknown key 'engine.tree.width'"),
+    (lambda r: r["engine"]["tree"].update(shape="first_token"), "'engine.tree.shape' must be one of ['best_first', 'chain']"),
+])
+def test_the_first_token_tree_s_params_fail_saying_it_is_retired(tmp_path, edit, key):
+    """The first-token tree is gone: its width, in either spelling, and its shape name each fail, naming
+    the key and DominoTree's budget."""
+    with pytest.raises(ParamsError) as err:
+        load_params(write_params(tmp_path, edit))
+    assert key in str(err.value) and "first-token tree is retired" in str(err.value)
+    assert "engine.tree.nodes" in str(err.value)
+
+
+def test_the_default_tree_is_dominotree_of_16_nodes_and_4_children():
     tree = load_params(REPO / "params.yaml").engine.tree
-    assert (tree.shape, tree.width, tree.nodes, tree.children) == ("first_token", 4, 16, 4)
+    assert (tree.shape, tree.nodes, tree.children) == ("best_first", 16, 4)
     flat = as_flat_dict(load_params(REPO / "params.yaml"))
-    assert flat["engine.tree.shape"] == "first_token" and "engine.tree" not in flat
+    assert flat["engine.tree.shape"] == "best_first" and "engine.tree" not in flat

@@ -27,18 +27,18 @@ import torch
 from dominospec.bench import interleave, load_target, plain_engine, read_prompts
 
 # a fixed round cost (ms): auto-K's choices then depend on the acceptance alone
-COST = dict(verify=[10.0 + 0.4 * r for r in range(300)], draft=3.0, rollout_step=0.3, branch_step=0.5, tree_build=2.0)
+COST = dict(verify=[10.0 + 0.4 * r for r in range(300)], draft=3.0, rollout_step=0.3, tree_build=2.0)
 
 
 def modes(base):
     """name -> (mode, num_draft, engine params)."""
-    tree = dataclasses.replace(base, ngram_assist=True, ngram_fork=True).with_tree(shape="first_token", width=4)
+    fork = dataclasses.replace(base, ngram_assist=True, ngram_fork=True).with_tree(shape="chain")
     dominotree = dataclasses.replace(base, ngram_assist=True, ngram_fork=True).with_tree(nodes=24)
     return {"ngram": ("ngram", None, base), "dflash": ("dflash", None, base),
             "domino chain": ("domino", None, base.with_tree(shape="chain")),
-            "domino tree+fork": ("domino", None, tree),
+            "domino chain+fork": ("domino", None, fork),
             "domino assist": ("domino", None, dataclasses.replace(base, ngram_assist=True, ngram_fork=False).with_tree(shape="chain")),
-            "dominotree+fork": ("dominotree", None, dominotree), "auto domino tree+fork": ("domino", "auto", tree),
+            "dominotree+fork": ("dominotree", None, dominotree), "auto domino chain+fork": ("domino", "auto", fork),
             "auto dominotree+fork": ("dominotree", "auto", dominotree), "auto ngram": ("ngram", "auto", base)}
 
 

@@ -368,7 +368,6 @@ class DFlashDraftModel(DominoPreTrainedModel):
         embed_tokens: nn.Module,
         sampler: Callable[[torch.Tensor], torch.Tensor] = greedy,
         num_draft: Optional[int] = None,
-        first: Optional[torch.Tensor] = None,
         pool: Optional[torch.Tensor] = None,
         keep_logits: bool = True,
     ) -> DraftRollout:
@@ -381,9 +380,6 @@ class DFlashDraftModel(DominoPreTrainedModel):
         `sampler` maps scored logits [B, N] -> positions [B] in 0..N-1 (greedy by default; the engine
         passes the same warping it applies to the target).
 
-        `first` [W] (unbatched input only): a draft tree of W branches sharing z, u and x_start;
-        branch w's d_1 is first[w], and the W branches then step as one batch, each corrected for
-        its own prefix. Returns tokens [W, K] (and logits [W, K, V], whose slot 0 is u_0).
         `pool` [M] token ids (a candidate pool): the corrected slots score only these columns
         (u_j and the rows of W2 gathered once), N = M, and positions map back through the pool;
         tokens outside it are never drawn. Slots < P still score the full vocabulary.
@@ -398,12 +394,9 @@ class DFlashDraftModel(DominoPreTrainedModel):
         if head and pool is not None:  # gathered once a block, before any rows are expanded
             w2, scored = w2.index_select(0, pool), base_logits.index_select(-1, pool)  # [M, r], [..., Bk, M]
         if unbatched:
-            rows = 1 if first is None else first.numel()
-            z, base_logits, scored = (t[None].expand(rows, -1, -1) for t in (z, base_logits, scored))
-        elif first is not None:
-            raise ValueError("rollout: `first` (a tree of branches) takes unbatched z [Bk, H] and u [Bk, V]")
+            z, base_logits, scored = (t[None] for t in (z, base_logits, scored))
         B, V = base_logits.shape[0], base_logits.shape[-1]
-        if not head and first is None:  # pure DFlash: independent draws from u, all slots at once
+        if not head:  # pure DFlash: independent draws from u, all slots at once
             tokens = sampler(base_logits[:, :K].reshape(B * K, V)).view(B, K)
             out = DraftRollout(tokens, base_logits[:, :K] if keep_logits else None)
             return DraftRollout(out.tokens[0], None if out.logits is None else out.logits[0]) if unbatched else out
@@ -414,9 +407,7 @@ class DFlashDraftModel(DominoPreTrainedModel):
             state = state.expand(B, -1) if x.numel() == 1 else state
         tokens, logits = [], []
         for j in range(K):
-            if j == 0 and first is not None:  # a branch's forced first token
-                q, d = base_logits[:, 0], first.reshape(B)
-            elif j < P:
+            if j < P:
                 q = base_logits[:, j]
                 d = sampler(q)
             else:
@@ -431,7 +422,7 @@ class DFlashDraftModel(DominoPreTrainedModel):
             if head and j + 1 < K:
                 state = self.gru_step(embed_tokens(d), state)  # s_{j+1}
         out = DraftRollout(torch.stack(tokens, dim=1), torch.stack(logits, dim=1) if keep_logits else None)
-        if unbatched and first is None:
+        if unbatched:
             return DraftRollout(out.tokens[0], None if out.logits is None else out.logits[0])
         return out
 

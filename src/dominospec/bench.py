@@ -58,7 +58,7 @@ PLAIN_ENGINE = dict(linear="torch", draft_dtype=None, candidate_pool=0, confiden
 
 def plain_engine(engine: Any, tree: Optional[dict[str, Any]] = None, **overrides: Any) -> Any:
     """params.engine (config.EngineParams) -> the plain engine's params with `overrides`, and `tree`'s
-    changes to engine.tree over the plain chain (e.g. `tree=dict(shape="first_token", width=3)`)."""
+    changes to engine.tree over the plain chain (e.g. `tree=dict(shape="best_first", nodes=8)`)."""
     plain = dataclasses.replace(engine, **{**PLAIN_ENGINE, **overrides})
     return plain.with_tree(**{"shape": "chain", **(tree or {})})
 

@@ -33,10 +33,14 @@ from dominospec.errors import ParamsError
 
 # keys that were renamed -> what replaced them (no alias: an old params file fails, saying this)
 RENAMED = {
-    "engine.tree_width": "engine.tree.width (with engine.tree.shape: first_token)",
-    "engine.tree_nodes": "engine.tree.nodes (engine.tree.shape: best_first, or mode dominotree)",
-    "engine.tree_children": "engine.tree.children (engine.tree.shape: best_first, or mode dominotree)",
+    "engine.tree_nodes": "engine.tree.nodes",
+    "engine.tree_children": "engine.tree.children",
 }
+# keys that were retired with what they set -> why, and what to set instead
+FIRST_TOKEN_TREE = ("the first-token tree is retired: DominoTree (engine.tree.shape: best_first) is domino's tree, "
+                    "its budget engine.tree.nodes")
+RETIRED = {"engine.tree_width": FIRST_TOKEN_TREE, "engine.tree.width": FIRST_TOKEN_TREE}
+RETIRED_VALUES = {("engine.tree.shape", "first_token"): FIRST_TOKEN_TREE}  # (key, value) -> why it is gone
 PRESETS = "params"  # the folder beside params.yaml whose NAME.yaml files are presets over it
 PRESET_STAMP = re.compile(r"# preset: ([\w.-]+)")  # params.yaml's first line once `dominospec preset NAME` wrote it
 
@@ -183,10 +187,9 @@ class ExportParams:
 
 @dataclass(frozen=True)
 class TreeParams:
-    """The draft tree a round of mode `domino` verifies (`dominotree` always grows the best-first one)."""
+    """What a round of mode `domino` drafts (`dominotree` is `domino` with best_first, whatever `shape` says)."""
 
-    shape: Literal["first_token", "best_first", "chain"]  # the draft's W best first tokens, each drafted on (greedy) | DominoTree (engine.domino_tree) | one chain
-    width: int  # first_token: W branches (1 = a chain); auto-K narrows it
+    shape: Literal["best_first", "chain"]  # DominoTree (engine.domino_tree) | the draft's one chain
     nodes: int  # best_first: the node budget N, a verify of at most N + 1 rows; auto-K verifies the best n <= N
     children: int  # best_first: children offered per expansion, the path's top-k corrected draft tokens
 
@@ -232,8 +235,8 @@ class EvaluateParams:
     stop_strings: list[str]
     num_threads: Optional[int]  # torch CPU threads; null = torch's default
     server_concurrency: int  # `evaluate --server`: requests in flight at the second level (the first is 1)
-    sampled_temperature: Optional[float]  # a second pass at this temperature: AR, the Domino chain, DominoTree; null = none
-    chain_comparison: bool  # with the head and a first-token tree of width > 1: also decode Domino's chain (engine.tree.shape chain), mode `domino_chain`
+    sampled_temperature: Optional[float]  # a second pass at this temperature: AR, head off, Domino (and its chain); null = none
+    chain_comparison: bool  # with the head and engine.tree.shape best_first: also decode Domino's chain (shape chain), mode `domino_chain`
 
 
 @dataclass(frozen=True)
@@ -407,6 +410,8 @@ def _build(cls: type, raw: Any, fname: str, prefix: str, skip: set[str] = frozen
     for key in raw:
         if f"{prefix}{key}" in RENAMED:
             raise ParamsError(f"{fname}: unknown key '{prefix}{key}': replaced by {RENAMED[prefix + key]}")
+        if f"{prefix}{key}" in RETIRED:
+            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': {RETIRED[prefix + key]}")
         if key not in names:
             raise ParamsError(f"{fname}: unknown key '{prefix}{key}'")
     values = {}
@@ -438,7 +443,9 @@ def _check(hint: Any, value: Any, fname: str, key: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ParamsError(f"{fname}: '{key}' must be one of {list(allowed)}, got {value!r}")
+            why = RETIRED_VALUES.get((key, value)) if isinstance(value, str) else None
+            raise ParamsError(f"{fname}: '{key}' must be one of {list(allowed)}, got {value!r}"
+                              + (f" ({why})" if why else ""))
         return value
     if origin is list:
         (item,) = typing.get_args(hint)

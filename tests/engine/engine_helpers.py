@@ -107,12 +107,11 @@ def stats_equal_to_ar(engine, ar, max_new_tokens: int = 24) -> list:
 
 def streaming_cost(k_max: int, step_ms: float = 10.0) -> "RoundCost":
     """A fixed round-cost table of a weight-streaming machine: a verify of up to k_max + 1 rows costs
-    one step, the draft forward a fifth of one, a chain step a fiftieth (a tree's step a fortieth).
+    one step, the draft forward a fifth of one, a chain step a fiftieth.
     Auto-K's choices then follow the acceptance alone, not the timing of whatever machine runs the test."""
     from dominospec.engine.policy import RoundCost
 
-    return RoundCost(verify=[step_ms] * (k_max + 1), draft=step_ms / 5, rollout_step=step_ms / 50,
-                     branch_step=step_ms / 40)
+    return RoundCost(verify=[step_ms] * (k_max + 1), draft=step_ms / 5, rollout_step=step_ms / 50)
 
 
 def draft_runners_agree(target: Target, draft: DFlashDraftModel, make_runner) -> None:

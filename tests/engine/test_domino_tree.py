@@ -361,16 +361,15 @@ def test_sampled_rounds_and_lookups_keep_the_caches_in_step():
 
 def test_domino_drafts_the_tree_engine_tree_shape_names():
     """`domino` follows engine.tree.shape: best_first is DominoTree (the same tokens and rounds as mode
-    dominotree), chain ignores the width, first_token verifies W first guesses; dflash never grows a
-    best-first tree."""
+    dominotree, which ignores the shape), chain is the head's chain; dflash never grows a tree."""
     target = tiny_target("llama", vocab=8, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=4, head=True)
     best_first = SpecEngine(target, draft, "domino", None, TREE.with_tree(shape="best_first"))
-    tree = SpecEngine(target, draft, "dominotree", None, TREE.with_tree(shape="first_token"))
-    assert (best_first.mode, best_first.nodes, best_first.width) == ("dominotree", 9, 1)
+    tree = SpecEngine(target, draft, "dominotree", None, TREE.with_tree(shape="chain"))
+    assert (best_first.mode, best_first.nodes, best_first.grower is not None) == ("dominotree", 9, True)
     for prompt in random_prompts(3, 8, seed=4):
         a, b = best_first.generate(prompt, 16), tree.generate(prompt, 16)
         assert a.token_ids == b.token_ids and a.stats.round_tokens == b.stats.round_tokens
-    for shape, mode, width in [("chain", "domino", 1), ("first_token", "domino", 3), ("best_first", "dflash", 1)]:
-        engine = SpecEngine(target, draft, mode, None, TREE.with_tree(shape=shape, width=3))
-        assert (engine.mode, engine.width, engine.nodes) == (mode, width, 0)
+    for shape, mode in [("chain", "domino"), ("best_first", "dflash")]:
+        engine = SpecEngine(target, draft, mode, None, TREE.with_tree(shape=shape))
+        assert (engine.mode, engine.nodes, engine.grower) == (mode, 0, None)

@@ -1,4 +1,4 @@
-"""Branching rounds (engine.proposers, engine.verify_shape): several proposals verified as branches of one forward.
+"""Forking rounds (engine.proposers, engine.verify_shape): proposals verified as branches of one forward.
 
 - `branch_tree` equals a mask written out by hand from the rule: a row sees row 0 and its own
   branch's earlier rows; one branch is the chain.
@@ -7,9 +7,9 @@
   after `select` + crop to a branch other than the first, the next forward equals the one after
   verifying that branch alone: the KV rows moved into place are the right ones.
 - `accept_branches` keeps the branch that accepts most; a tie keeps the earlier branch.
-- `choose_tree`: with a lookup that is never accepted and one branch it chooses the chain alone, as
-  `choose_k`; a grid search written out with the estimate of engine.policy agrees on random
-  survivals, rank shares and costs; with rank shares of 0 it never widens the tree.
+- `choose_fork`: with a lookup that is never accepted it chooses the chain alone, as `choose_k`; a
+  grid search written out with the estimate of engine.policy agrees on random survivals and costs;
+  with a draft that is never accepted it verifies the lookup alone.
 - Greedy decoding with ngram_fork equals AR token for token (domino, dflash; fixed K and auto-K;
   dynamic and static caches), with fork rounds won by each branch; the draft context stays in
   step with the target KV. Under sampling no round forks.
@@ -27,7 +27,7 @@ from dominospec.engine import SpecEngine
 from dominospec.engine.accept import accept_greedy
 from dominospec.engine.proposal import chains
 from dominospec.engine.verdict import Verdict
-from dominospec.engine.policy import RoundCost, choose_k, choose_tree
+from dominospec.engine.policy import RoundCost, choose_fork, choose_k
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.engine.verify_shape import branch_tree, chain_tree
@@ -117,41 +117,40 @@ def test_greedy_acceptance_on_branches_keeps_the_longest_and_the_earlier_on_a_ti
     assert (per_branch, winner, v.tokens, v.rows) == ([0, 0, 0], 0, [3], [0])
 
 
-def _rate(cost, chain, lookup, ranks, width, kd, kl):
-    """Expected tokens per ms of a branching round, written out: the draft tree accepts >= k with
-    t_k = a_k (1 + r_2 + .. + r_W) / a_1, and P(either accepts >= k) = 1 - (1 - t_k)(1 - a_l)."""
-    widen = 1 + sum(ranks[:width - 1]) / chain[0]
-    t = [min(1.0, a * widen) for a in chain[:kd]] + [0.0] * 8
-    a_l = lookup[:kl] + [0.0] * 8
-    step = cost.rollout_step if width == 1 else cost.branch_step
-    ms = (cost.draft + kd * step if kd else 0) + cost.verify[width * kd + kl]
-    return (1 + sum(1 - (1 - t[k]) * (1 - a_l[k]) for k in range(8))) / ms
+def _rate(cost, chain, lookup, kd, kl):
+    """Expected tokens per ms of a forking round, written out: the chain accepts >= k with a_k, the
+    lookup with l_k, and P(either accepts >= k) = 1 - (1 - a_k)(1 - l_k)."""
+    a = chain[:kd] + [0.0] * 8
+    l = lookup[:kl] + [0.0] * 8  # noqa: E741
+    ms = (cost.draft + kd * cost.rollout_step if kd else 0) + cost.verify[kd + kl]
+    return (1 + sum(1 - (1 - a[k]) * (1 - l[k]) for k in range(8))) / ms
 
 
-def reference_tree_choice(cost, chain, lookup, ranks, kd_max, kl_max, width_max):
-    """Brute force over the grid (`_rate`), a plain step included; a tree has at least one draft."""
-    grid = [(1, 0, kl) for kl in range(kl_max + 1)]
-    grid += [(w, kd, kl) for w in range(1, width_max + 1) for kd in range(1, kd_max + 1) for kl in range(kl_max + 1)]
-    rates = {shape: _rate(cost, chain, lookup, ranks, *shape) for shape in grid}
+def reference_fork_choice(cost, chain, lookup, kd_max, kl_max):
+    """Brute force over the grid (`_rate`), a plain step included."""
+    rates = {(kd, kl): _rate(cost, chain, lookup, kd, kl) for kd in range(kd_max + 1) for kl in range(kl_max + 1)}
     return max(rates, key=rates.get)
 
 
-def test_choose_tree_against_brute_force_and_choose_k():
+def test_choose_fork_against_brute_force_and_choose_k():
     rng = random.Random(0)
+    drafts_alone = lookups_alone = forks = 0
     for trial in range(300):
-        verify = sorted(rng.uniform(10, 16) for _ in range(4 * 3 + 7 + 1))
-        step = rng.uniform(0, 0.5)
-        cost = RoundCost(verify=verify, draft=rng.uniform(0, 4), rollout_step=step, branch_step=step * rng.uniform(1, 2))
+        verify = sorted(rng.uniform(10, 16) for _ in range(3 + 7 + 1))
+        cost = RoundCost(verify=verify, draft=rng.uniform(0, 4), rollout_step=rng.uniform(0, 0.5))
         chain = sorted((rng.uniform(0.05, 1) for _ in range(3)), reverse=True)
         lookup = sorted((rng.random() for _ in range(7)), reverse=True)
-        ranks = sorted((rng.uniform(0, 0.3) for _ in range(3)), reverse=True)
-        kl_max, width_max = rng.randrange(0, 8), rng.randrange(1, 5)
-        got = choose_tree(cost, chain, lookup, 3, kl_max, ranks, width_max)
-        want = reference_tree_choice(cost, chain, lookup, ranks, 3, kl_max, width_max)
-        rate = lambda shape: _rate(cost, chain, lookup, ranks, *shape)  # noqa: E731
+        kl_max = rng.randrange(0, 8)
+        got = choose_fork(cost, chain, lookup, 3, kl_max)
+        want = reference_fork_choice(cost, chain, lookup, 3, kl_max)
+        rate = lambda shape: _rate(cost, chain, lookup, *shape)  # noqa: E731
         assert got == want or abs(rate(got) - rate(want)) < 1e-12, (got, want)
-        assert choose_tree(cost, chain, [0.0] * 7, 3, kl_max) == (1, choose_k(cost, chain, 3), 0)
-        assert choose_tree(cost, chain, lookup, 3, kl_max, [0.0] * 3, width_max)[0] == 1  # no gain: no tree
+        drafts_alone += got[0] > 0 == got[1]
+        lookups_alone += got[1] > 0 == got[0]
+        forks += got[0] > 0 and got[1] > 0
+        assert choose_fork(cost, chain, [0.0] * 7, 3, kl_max) == (choose_k(cost, chain, 3), 0)
+        assert choose_fork(cost, [0.0] * 3, lookup, 3, kl_max)[0] == 0  # a draft never accepted is not run
+    assert min(drafts_alone, lookups_alone, forks) > 10, (drafts_alone, lookups_alone, forks)
 
 
 @pytest.mark.parametrize("mode", ["domino", "dflash"])

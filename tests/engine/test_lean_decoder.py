@@ -168,8 +168,8 @@ def test_share_storage_makes_every_fusion_a_view_and_keeps_the_model():
 @pytest.mark.parametrize("mode, options", [
     ("ar", {}),
     ("domino", {}),
-    ("domino", dict(ngram_assist=True, ngram_fork=True, tree=dict(shape="first_token", width=3))),
-    ("dflash", dict(tree=dict(shape="first_token", width=2))),
+    ("domino", dict(ngram_assist=True, ngram_fork=True, tree=dict(shape="best_first", nodes=12))),
+    ("dflash", dict(ngram_assist=True, ngram_fork=True)),
     ("ngram", {}),
 ])
 def test_engine_on_the_lean_decoder_generates_what_the_static_runner_does(mode, options):
@@ -194,7 +194,8 @@ def test_lean_target_auto_off_and_refusals():
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(STATIC, lean_target="auto")).runners.lean is None  # CPU
     assert SpecEngine(target, draft, "domino", None, dataclasses.replace(LEAN, cuda_graphs="off")).runners.lean is None
     with pytest.raises(UserError, match="widest round verifies 326 rows, over 320"):
-        SpecEngine(target, draft, "domino", None, LEAN.with_tree(shape="first_token", width=65))  # 65 x 5 + 1 rows
+        SpecEngine(target, draft, "domino", None, dataclasses.replace(  # x_start, 256 nodes and a lookup of 69 beside
+            LEAN, ngram_assist=True, ngram_fork=True, ngram_num_draft=69).with_tree(shape="best_first", nodes=256))
     with pytest.raises(UserError, match="lean_target must be on, off or auto"):
         SpecEngine(target, None, "ar", None, dataclasses.replace(LEAN, lean_target="yes"))
     target.model.config.hidden_act = "gelu"

@@ -72,7 +72,7 @@ def setup(tmp_path_factory):
     for key in raw["paths"]:
         raw["paths"][key] = str(root / key)
     raw["target"].update(model=str(target_dir), gguf_file=None, device="cpu", dtype="float32")
-    # both comparisons on, as in the GPU presets (the CPU default turns them off for time; tested below)
+    # both comparisons on, as in the GPU presets (the CPU default turns the sampled pass off for time; tested below)
     raw["evaluate"].update(suites=["sharegpt"], max_prompts=4, max_new_tokens=12, num_threads=1,
                            sampled_temperature=0.7, chain_comparison=True)
     raw["mlflow"].update(tracking_uri=f"sqlite:///{root}/mlflow.db", artifact_location=str(root / "mlartifacts"))
@@ -117,14 +117,15 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert 1.0 <= suite["acceptance_length"] <= report["block_size"]
     assert suite["speedup"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ar_tokens_per_s"]) and suite["speedup"] > 0
     # every mode on the same prompts, one schema; prompt lookup reported beside the draft's modes
-    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
-    for mode in ("domino_chain", "dominotree"):  # the configured first-token tree's chain, and DominoTree: exact too
-        assert suite["modes"][mode]["exact_match"] == 1.0 and suite["modes"][mode]["acceptance_length"] >= 1.0
-    # the sampled pass: AR, Domino and DominoTree at evaluate.sampled_temperature, τ and speed-up with their SEs
+    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "domino_chain"}
+    # Domino is DominoTree (engine.tree.shape best_first), its chain beside it: exact too
+    assert suite["modes"]["domino"]["tree_round_share"] > 0 and suite["modes"]["domino_chain"]["tree_round_share"] == 0
+    assert suite["modes"]["domino_chain"]["exact_match"] == 1.0 and suite["modes"]["domino_chain"]["acceptance_length"] >= 1
+    # the sampled pass: AR, head off, Domino and its chain at evaluate.sampled_temperature, τ and speed-up with SEs
     sampled = suite["sampled"]
     assert report["sampled_temperature"] == sampled["temperature"] == params.evaluate.sampled_temperature > 0
-    assert set(sampled["modes"]) == {"ar", "domino", "dominotree"} and sampled["n_prompts"] == 3
-    for mode in ("domino", "dominotree"):
+    assert set(sampled["modes"]) == {"ar", "dflash", "domino", "domino_chain"} and sampled["n_prompts"] == 3
+    for mode in ("dflash", "domino", "domino_chain"):
         m = sampled["modes"][mode]
         assert 1.0 <= m["acceptance_length"] <= report["block_size"] and m["speedup_se"] is not None
         assert m["speedup"] == pytest.approx(m["tokens_per_s"] / sampled["modes"]["ar"]["tokens_per_s"])
@@ -167,8 +168,8 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert run.data.tags["training_run_id"] == TRAIN_RUN_ID
     assert run.data.metrics["mine/speedup"] == pytest.approx(suite["speedup"])
     assert run.data.metrics["mine/walk/domino/acceptance_length"] == pytest.approx(walk["domino"]["acceptance_length"])
-    assert run.data.metrics["mine/sampled/dominotree/acceptance_length"] == pytest.approx(
-        sampled["modes"]["dominotree"]["acceptance_length"])
+    assert run.data.metrics["mine/sampled/domino/acceptance_length"] == pytest.approx(
+        sampled["modes"]["domino"]["acceptance_length"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"eval.json", "eval_acceptance.png", "eval_tau.png"} <= artifacts
 
@@ -209,15 +210,15 @@ def test_every_mode_runs_in_plain_fp32_with_the_same_engine_options(setup, tmp_p
     prompts = [calls[i:i + len(modes)] for i in range(0, len(calls), len(modes))]
     assert len(prompts) >= 2 and all(sorted(p) == sorted(modes) for p in prompts)
     assert [p[0] for p in prompts] == [modes[i % len(modes)] for i in range(len(prompts))]
-    assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino", "domino_chain", "dominotree"}
-    chain = seen["options"].pop("domino_chain")  # the configured options with a chain for a tree
+    assert set(seen["options"]) == {"ar", "ngram", "dflash", "domino", "domino_chain"}
+    chain = seen["options"].pop("domino_chain")  # the configured options with a chain for DominoTree
     assert len({id(options) for options in seen["options"].values()}) == 1
     assert chain == seen["options"]["domino"].with_tree(shape="chain") and chain.tree.shape == "chain"
 
 
 def test_the_comparisons_off_run_neither_the_chain_nor_the_sampled_pass(setup, tmp_path):
-    """evaluate.chain_comparison false and sampled_temperature null (the CPU default): the four
-    modes and DominoTree, greedy only; the report says there was no sampled pass."""
+    """evaluate.chain_comparison false and sampled_temperature null: the four modes, greedy only; the
+    report says there was no sampled pass."""
     params_path, _ = setup
     raw = yaml.safe_load(params_path.read_text())
     raw["evaluate"].update(sampled_temperature=None, chain_comparison=False, max_new_tokens=6)
@@ -225,9 +226,9 @@ def test_the_comparisons_off_run_neither_the_chain_nor_the_sampled_pass(setup, t
     off.write_text(yaml.safe_dump(raw))
     report = evaluate(load_params(off), out=str(tmp_path / "off.json"))
     suite = report["suites"]["sharegpt"]
-    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "dominotree"}
+    assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino"}
     assert "sampled" not in suite and report["sampled_temperature"] is None
-    assert all(suite["modes"][m]["exact_match"] == 1.0 for m in ("ngram", "dflash", "domino", "dominotree"))
+    assert all(suite["modes"][m]["exact_match"] == 1.0 for m in ("ngram", "dflash", "domino"))
 
 
 def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path):
@@ -238,37 +239,34 @@ def test_auto_k_records_the_measured_round_cost_and_stays_exact(setup, tmp_path)
     auto_params.write_text(yaml.safe_dump(raw))
     report = evaluate(load_params(auto_params), out=str(tmp_path / "auto.json"))
     assert report["num_draft_setting"] == "auto"
-    assert set(report["auto_k"]) == {"ngram", "dflash", "domino", "domino_chain", "dominotree"}
-    record = report["auto_k"]["domino"]
+    assert set(report["auto_k"]) == {"ngram", "dflash", "domino", "domino_chain"}
+    chain = report["auto_k"]["domino_chain"]
     K, lookup_k = report["num_draft"], report["engine"]["ngram_num_draft"] if report["engine"]["ngram_assist"] else 0
-    # verify is measured for W branches of K drafts (a chain: W = 1) and, with ngram_assist, for a lookup
-    # of ngram_num_draft tokens; with ngram_fork for both at once
-    fork, W = lookup_k and report["engine"]["ngram_fork"], report["engine"]["tree"]["width"]
-    rows = W * K + lookup_k + 1 if fork else max(W * K, lookup_k) + 1
-    assert len(record["cost_ms"]["verify"]) == rows and len(record["round_over_ar_step_by_k"]) == K + 1
-    assert record["round_over_ar_step_by_k"][0] == 1.0 and 0 <= record["k_at_end"] <= K
-    assert all(0 <= a <= 1 for a in record["acceptance_estimate_at_end"])
+    # a chain's verify is measured for K drafts and, with ngram_assist, for a lookup of ngram_num_draft tokens;
+    # with ngram_fork for both at once
+    fork = lookup_k and report["engine"]["ngram_fork"]
+    rows = K + lookup_k + 1 if fork else max(K, lookup_k) + 1
+    assert len(chain["cost_ms"]["verify"]) == rows and len(chain["round_over_ar_step_by_k"]) == K + 1
+    assert chain["round_over_ar_step_by_k"][0] == 1.0 and 0 <= chain["k_at_end"] <= K
+    assert all(0 <= a <= 1 for a in chain["acceptance_estimate_at_end"])
     if lookup_k:  # the lookups' own model: a lookup round pays no draft forward
-        lookup = record["lookup"]
+        lookup = chain["lookup"]
         assert len(lookup["acceptance_estimate_at_end"]) == lookup_k and 0 <= lookup["k_at_end"] <= lookup_k
-        assert lookup["round_over_ar_step_by_k"][1] < record["round_over_ar_step_by_k"][1]
+        assert lookup["round_over_ar_step_by_k"][1] < chain["round_over_ar_step_by_k"][1]
     if fork:
-        width, kd, kl = record["fork"]["k_at_end"]
-        assert 1 <= width <= W and 0 <= kd <= K and 0 <= kl <= lookup_k
-    if W > 1:  # the tree: the draft's 2nd..W-th guesses, and the (W, K_d, 0) chosen without a lookup
-        assert len(record["tree"]["rank_share_estimate_at_end"]) == W - 1 and record["cost_ms"]["branch_step"] > 0
-        width, kd, kl = record["tree"]["k_at_end"]
-        assert 1 <= width <= W and 0 <= kd <= K and kl == 0
-    tree, N = report["auto_k"]["dominotree"], report["engine"]["tree"]["nodes"]  # auto-budget: by nodes verified
+        kd, kl = chain["fork"]["k_at_end"]
+        assert 0 <= kd <= K and 0 <= kl <= lookup_k
+    tree, N = report["auto_k"]["domino"], report["engine"]["tree"]["nodes"]  # DominoTree's auto-budget: by nodes verified
+    assert report["engine"]["tree"]["shape"] == "best_first" and "fork" not in tree
     assert tree["cost_ms"]["tree_build"] > 0 and len(tree["cost_ms"]["verify"]) == N + lookup_k * bool(fork) + 1
     expected = tree["dominotree"]["expected_tokens_by_nodes"]
     assert len(expected) == N + 1 and expected[0] == 1.0 and expected == sorted(expected)
     assert 0 <= tree["dominotree"]["nodes_at_end"] <= N
     # one measurement of the machine: the engine verifying the most rows measured it, the others took it
-    assert record["cost_ms"]["verify"] == tree["cost_ms"]["verify"][:rows]
+    assert chain["cost_ms"]["verify"] == tree["cost_ms"]["verify"][:rows]
     sharegpt = report["suites"]["sharegpt"]
     assert sharegpt["exact_match"] == sharegpt["exact_match_no_head"] == sharegpt["exact_match_ngram"] == 1.0
-    assert sharegpt["modes"]["dominotree"]["exact_match"] == 1.0
+    assert sharegpt["modes"]["domino_chain"]["exact_match"] == 1.0
 
 
 def test_stage_runs_params_suites_and_out_keeps_pipeline_outputs_apart(setup, tmp_path):

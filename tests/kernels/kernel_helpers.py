@@ -15,12 +15,11 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rel: float
     torch.testing.assert_close(actual.float(), expected.float(), atol=rel * max(scale, 1e-30), rtol=0.0)
 
 
-def model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, pool_ids=None, first=None):
+def model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, pool_ids=None):
     """The one torch reference of the head's rollout, the model's `rollout`, run on these raw weights
-    (dominospec.bench.head_model) -> (tokens [K] (or [W, K] with `first` [W]), the scored logits [K, V]
-    (or [W, K, V]) with -inf outside `pool_ids`)."""
+    (dominospec.bench.head_model) -> (tokens [K], the scored logits [K, V] with -inf outside `pool_ids`)."""
     from dominospec.bench import head_model
 
     model, table = head_model(embed, w_ih, w_hh, w1, w2, P, z.shape[0])
-    out = model.rollout(z, base, x_start, table, pool=pool_ids, first=first)
+    out = model.rollout(z, base, x_start, table, pool=pool_ids)
     return out.tokens, out.logits

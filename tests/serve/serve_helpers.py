@@ -30,6 +30,8 @@ from export_helpers import BLOCK, save_checkpoint, save_tiny_target, target_para
 # The served project of conftest.py: a bearer key, one queue slot, small limits.
 KEY_ENV, KEY = "DOMINOSPEC_TEST_KEY", "sesame-open"
 NAME = "tiny-domino"
+# The default `domino` drafts DominoTree (engine.tree.shape best_first): SGLang's window is its N + 1 rows
+NODES = yaml.safe_load((REPO / "params.yaml").read_text())["engine"]["tree"]["nodes"]
 SERVE = dict(max_queue=1, max_body_bytes=65536, max_prompt_tokens=256, max_tokens_limit=1000, default_max_tokens=16,
              api_key_env=KEY_ENV, served_model_name=NAME, num_threads=1)
 CHATS = [[{"role": "user", "content": "t5 t17 t42"}],
@@ -141,5 +143,5 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
             yield data if data == "[DONE]" else json.loads(data)
 
 
-__all__ = ["BLOCK", "CHATS", "KEY", "KEY_ENV", "NAME", "PROMPTS", "READY", "SERVE", "ServerProcess", "export_draft",
+__all__ = ["BLOCK", "CHATS", "KEY", "KEY_ENV", "NAME", "NODES", "PROMPTS", "READY", "SERVE", "ServerProcess", "export_draft",
            "sse_events", "target_params", "tiny_project"]

@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import BLOCK, CHATS, KEY, NAME, PROMPTS, SERVE, sse_events
+from serve_helpers import BLOCK, CHATS, KEY, NAME, NODES, PROMPTS, SERVE, sse_events
 
 
 def chat(client, messages, **fields):
@@ -40,8 +40,8 @@ def test_ready_line_health_models_and_server_info(server, client):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
     assert models["data"][0]["owned_by"] == "dominospec"
     info = client.get("/server_info").json()
-    assert info["mode"] == "domino" and info["speculative_algorithm"] == "DFLASH"
-    assert info["speculative_num_draft_tokens"] == BLOCK and info["block_size"] == BLOCK and info["num_draft"] == BLOCK - 1
+    assert info["mode"] == "domino" and info["speculative_algorithm"] == "DOMINOTREE"  # the default tree
+    assert info["speculative_num_draft_tokens"] == NODES + 1 and info["block_size"] == BLOCK and info["num_draft"] == BLOCK - 1
     assert info["backend"] == "builtin" and info["draft"]["domino_head"] and info["api_key_required"]
 
 

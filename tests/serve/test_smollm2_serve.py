@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from serve_helpers import READY, ServerProcess
+from serve_helpers import NODES, READY, ServerProcess
 from test_smollm2 import random_draft  # tests/engine: an untrained one-layer draft shaped for SmolLM2
 
 from dominospec.config import load_params
@@ -50,6 +50,6 @@ def test_smollm2_chat_with_meta_info(tmp_path):
         assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
         info = httpx.get(f"{server.url}/server_info").json()
         assert info["avg_spec_accept_length"] == pytest.approx(meta["spec_accept_length"])
-        assert info["speculative_algorithm"] == "DFLASH" and info["speculative_num_draft_tokens"] == 8
+        assert info["speculative_algorithm"] == "DOMINOTREE" and info["speculative_num_draft_tokens"] == NODES + 1
     finally:
         server.stop()

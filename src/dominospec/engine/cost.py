@@ -2,10 +2,9 @@
 
 On a real prompt (prefilled once): the target forward over r = 1..R rows with the draft's features
 (the verify of r - 1 proposed tokens; r = 1 is the plain step; R - 1 the most a round verifies: a
-chain of K_max, W chains, a tree, a lookup beside them; a runner that pads r up to a row bucket is
+chain of K_max or a tree, a lookup beside it; a runner that pads r up to a row bucket is
 timed once a bucket), the draft forward over the block with the base logits of K_max rows, a
-K_max-step chain, (a first-token tree, engine.tree.width W > 1) W chains of K_max drafts, and (`dominotree`) the growth of
-the whole tree; each `repeats` times, the phases interleaved so that machine load hits them alike,
+K_max-step chain, and (DominoTree) the growth of the whole tree; each `repeats` times, the phases interleaved so that machine load hits them alike,
 and the fastest kept (load only ever adds time: the minimum is the machine's own cost, and K does
 not follow one descheduled sample). The measurement runs on the engine's own runners (static
 caches and CUDA graphs when it uses them, so auto-K sees the round it will run), which the engine
@@ -31,18 +30,18 @@ REPEATS = 5
 
 
 @torch.inference_mode()
-def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, width: int, ids: torch.Tensor, num_draft: int,
+def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, ids: torch.Tensor, num_draft: int,
                        rows: int, draft_dtype: torch.dtype, now: Callable[[], float], repeats: int = REPEATS,
                        shared: Optional[RoundCost] = None) -> RoundCost:
     """An engine's runners (target KV, draft block or None; reset, with room for the prompt and `rows`
-    more), its draft head (engine.draft_head) and tree grower (or None), its W first guesses, a prompt's
+    more), its draft head (engine.draft_head) and tree grower (or None), a prompt's
     ids [T] on the device -> RoundCost (ms, minimum over `repeats`): verify costs for 1..`rows` rows,
     chains of `num_draft`.
     `now()` reads the wall clock after the device's queued work.
 
     `shared`: the cost another engine measured on the same target and draft (evaluate's modes side
     by side). Its verify costs (as many rows as this engine verifies) and draft forward are taken as
-    they are, and only this engine's own chain and branch steps are measured: modes compared on the
+    they are, and only this engine's own chain step and tree build are measured: modes compared on the
     same prompts then choose their shapes from one measurement of the machine, not from two samples
     of its noise. A shared cost with fewer verify rows than this engine needs is measured afresh."""
     T, K, R = ids.numel(), num_draft, rows  # R: the most rows a verify has
@@ -53,7 +52,7 @@ def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, width: int
         drafter.extend(features.to(draft_dtype))
     shapes = runner_shapes(kv, R)  # r -> the rows its forward runs (a lean runner pads to its bucket)
     verify = {r: [] for r in sorted(set(shapes.values()))}
-    draft_ms, chain_ms, branch_ms, build_ms = [], [], [], []
+    draft_ms, chain_ms, build_ms = [], [], []
     widest = max(verify) if verify else R
     tokens = ids.repeat(widest)[:widest]  # any real tokens will do: the cost does not depend on them
     x_start = ids[-1:]
@@ -71,9 +70,6 @@ def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, width: int
             t2 = now()
             draft_ms.append(1000 * (t1 - t0))
             chain_ms.append(1000 * (t2 - t1) / K)
-            if width > 1:
-                head.branches(z, base_logits, x_start, width)
-                branch_ms.append(1000 * (now() - t2) / K)
             if grower is not None:
                 t3 = now()
                 grower.grow(z, base_logits, x_start)
@@ -81,12 +77,10 @@ def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, width: int
     if shared is not None:
         return RoundCost(verify=list(shared.verify[:R]), draft=shared.draft if drafter is not None else 0.0,
                          rollout_step=min(chain_ms) if chain_ms else 0.0,
-                         branch_step=min(branch_ms) if branch_ms else 0.0,
                          tree_build=min(build_ms) if build_ms else 0.0)
     return RoundCost(verify=nondecreasing([min(verify[shapes[r]]) for r in range(1, R + 1)]),
                      draft=min(draft_ms) if draft_ms else 0.0,
                      rollout_step=min(chain_ms) if chain_ms else 0.0,
-                     branch_step=min(branch_ms) if branch_ms else 0.0,
                      tree_build=min(build_ms) if build_ms else 0.0)
 
 

@@ -1,7 +1,7 @@
 """DominoTree: the draft's tree grown best-first over the cumulative log-probability of its paths.
 
-The engine's first-token tree (engine.draft_head) spends its rows on the draft's W best *first*
-tokens and one greedy chain after each. DominoTree spends them where the draft puts its mass: a
+A chain spends its rows on the draft's one best guess at every depth. DominoTree spends them where
+the draft puts its mass: a
 node is the path x_start, t_1 .. t_d; its score is the draft's log q(t_1) + ... + log q(t_d); the
 tree of budget N is the N best-scored nodes, each path's children offered by that path's own
 Domino head:

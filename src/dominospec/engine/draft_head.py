@@ -3,30 +3,27 @@
 Input: z [K, H] (final normed draft states of slots 0..K-1; slot j predicts x[start+1+j]) and the
 base logits u = lm_head(z) [K, V], both in the draft path's dtype, and x_start [1].
 
-- head off (`dflash`): d_j is drawn from u_j independently (a branch w takes the w-th best d_1).
+- head off (`dflash`): d_j is drawn from u_j independently.
 - head on (`domino`): slot j >= P (pure_draft_prefix_len) draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]),
   s_j the GRU state after [x_start, d_1..d_j]: the model's `rollout`, which is the one torch
-  reference. The Triton kernels (`kernels.head_rollout`, `kernels.head_branches`) are its greedy
-  fast path and are tested against it; `RolloutGraphs` replays them as CUDA graphs.
+  reference. The Triton kernel `kernels.head_rollout` is its fast path and is tested against it;
+  `RolloutGraphs` replays it as CUDA graphs.
 - candidate pool (head on, pool_size M > 0; SGLang's `--speculative-domino-candidate-pool-size`):
   the corrected steps score only the M tokens with the highest base logit over those steps,
   `cand = topk(max_{j >= P} u_j, M)`, so a step reads M rows of W2 instead of V. Tokens outside
   the pool get probability 0. M = 0 (or M >= V) is the exact full vocabulary.
-- branches (greedy, engine.tree.width W > 1): the W most likely first tokens of u_0, each drafted on
-  with the head correcting every branch for its own prefix (verified as a tree: engine.verify_shape).
-  Branch 0 with W = 1 is the greedy chain.
 
 Only verification must be exact: a pool, like a bf16 draft, only changes which tokens are
 proposed. When sampling, q_j (returned dense, [K, V]) is exactly the distribution d_j was drawn
 from, which is what lossless speculative sampling needs. `confidence[j]` is q_j(d_j) (greedy:
 the softmax of the scored logits at the argmax), the draft's own belief in d_j.
 
-Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains and
-branches of `domino` on the kernels when they are prepared (graphs on static caches); sampled chains
-drawn from uniforms drawn before the rollout (`_Draws`: the exponential race), on the kernels too
-where they are prepared and the draw is by temperature alone (top-k / top-p: torch ops), so that on
-static caches with CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`); the
-CPU on torch ops.
+Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains of
+`domino` on the kernels when they are prepared (graphs on static caches); sampled chains drawn
+from uniforms drawn before the rollout (`_Draws`: the exponential race), on the kernels too where
+they are prepared and the draw is by temperature alone (top-k / top-p: torch ops), so that on
+static caches with CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`);
+the CPU on torch ops. DominoTree's tree is grown elsewhere (engine.domino_tree).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from dominospec.engine.head_kernels import RolloutGraphs, first_tokens, prepare_head_kernels, tree_rollout, triton_usable
+from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
 from dominospec.engine.sampling import Sampling
 
 
@@ -135,21 +132,6 @@ class DraftHead:
         draws = _Draws(sampling, noise, base_logits.shape[-1], cand)
         out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, sampler=draws, pool=cand, keep_logits=False)
         return DraftChain(out.tokens, torch.stack(draws.probs) if draws.probs else None, torch.stack(draws.beliefs))
-
-    def branches(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int) -> torch.Tensor:
-        """z [K, H], u [K, V], x_start [1] -> drafts [W, K] (long), greedy: branch w starts with the
-        w-th most likely d_1 (branch 0: the chain's own) and is drafted on from there."""
-        if not self.corrects:  # head off: every branch continues with argmax u_j
-            K = base_logits.shape[0]
-            tokens = base_logits.float().argmax(-1).expand(width, K).clone()
-            tokens[:, 0] = first_tokens(base_logits[0], width)
-            return tokens
-        if self.graphs is not None:
-            return self.graphs.branches(z, base_logits, x_start, width)
-        if self.kernels is not None:
-            return tree_rollout(self.kernels, z, base_logits, x_start, width, self.pool_size)
-        return self.draft.rollout(z, base_logits, x_start, self.embed_tokens, first=first_tokens(base_logits[0], width),
-                                  pool=self.pool(base_logits), keep_logits=False).tokens
 
 
 def draft_head(draft: Any, embed_tokens: Any, mode: str, head_kernel: str, pool_size: int, static_cache: bool,

@@ -4,8 +4,7 @@ draft (in the draft path's dtype) + the target's embedding -> `HeadWeights` for
 `dominospec.kernels`: W1 split at H, W2, and the GRU's input gates either as a [V, 3G] table
 gathered by token id or, when the table exceeds `GRU_TABLE_BUDGET_BYTES`, as a GEMV per step.
 `RolloutGraphs` replays a greedy rollout (pool selection included: the fused `pool_select`, ids
-ascending) as one CUDA graph per K, and a draft tree's W branches (`kernels.head_branches`) as one
-per (K, W). `first_tokens` picks a draft tree's first tokens for every path (engine.draft_head).
+ascending) as one CUDA graph per K.
 triton is imported here, lazily: an engine on the torch path never imports it.
 """
 
@@ -49,30 +48,6 @@ def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:
                             draft.embed_proj[2].weight, draft.config.pure_draft_prefix_len, GRU_TABLE_BUDGET_BYTES)
 
 
-def first_tokens(u0: torch.Tensor, width: int) -> torch.Tensor:
-    """Base logits of slot 0 [V] -> [width] token ids: argmax first (the chain's d_1, ties as argmax
-    breaks them), then the next most likely in order."""
-    scores = u0.float()
-    best = scores.argmax()
-    if width == 1:
-        return best[None]
-    # scatter, not rest[best] = ...: an index_put by a 0-d tensor reads the host, which a CUDA graph's capture refuses
-    rest = scores.scatter(0, best.reshape(1), float("-inf"))
-    return torch.cat([best[None], rest.topk(width - 1).indices])
-
-
-def tree_rollout(weights: Any, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int,
-                 pool_size: int, workspace: Any = None) -> torch.Tensor:
-    """A draft tree on the kernels: z [K, H], u [K, V], x_start [1] -> tokens [W, K], for the head
-    prepared as `HeadWeights`. The pool (`pool_select`, on `workspace` when given) and the W first
-    tokens are chosen on the device, so the whole call can be captured (`RolloutGraphs.branches`)."""
-    from dominospec.kernels.head_branches import head_branches
-    from dominospec.kernels.pool_select import pool_select
-
-    cand = pool_select(base_logits, weights.pure_draft_prefix_len, pool_size, workspace)  # [M] ascending, or None
-    return head_branches(weights, z, base_logits, x_start, first_tokens(base_logits[0], width), cand)
-
-
 class RolloutGraphs:
     """The greedy rollout on the kernels (pool selection included) over static inputs, one CUDA graph
     per (K, confidence wanted) (engine.graphs): a chain then costs one replay instead of 2K + 2 kernel
@@ -82,8 +57,6 @@ class RolloutGraphs:
     fp32 logits.
 
     chain(z [K, H], u [K, V], x_start [1]) -> (tokens [K], confidence [K] or None), copies the caller keeps.
-    branches(z, u, x_start, W) -> tokens [W, K] (engine.draft_head: the W best first tokens of u_0, each
-    drafted on), a copy too. Keys: (K, confidence wanted) for chains, ("tree", K, W) for branches.
     """
 
     def __init__(self, weights: Any, block_size: int, hidden: int, vocab: int, dtype: torch.dtype,
@@ -109,10 +82,6 @@ class RolloutGraphs:
         from dominospec.kernels.pool_select import pool_select
 
         P = self.weights.pure_draft_prefix_len
-        if key[0] == "tree":
-            _, K, width = key
-            return lambda: tree_rollout(self.weights, self.z[:K], self.base[:K], self.x_start, width, self.pool_size,
-                                        self.pool)
         K, confidence = key
 
         def rollout():
@@ -127,10 +96,6 @@ class RolloutGraphs:
         self._fill(z, base_logits, x_start)
         tokens, belief = self.graphs.run((z.shape[0], confidence))
         return tokens.clone(), None if belief is None else belief.clone()
-
-    def branches(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, width: int) -> torch.Tensor:
-        self._fill(z, base_logits, x_start)
-        return self.graphs.run(("tree", z.shape[0], width)).clone()
 
     def _fill(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor) -> None:
         K = z.shape[0]

@@ -16,16 +16,12 @@ prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good a
 it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the counts fade, the
 prior comes back and a probe round is tried again.
 
-A branching round (engine.proposers) verifies a tree: the draft's W best first tokens, each drafted on
-to K_d tokens (engine.draft_head), and beside them a prompt lookup of K_l tokens. The W draft branches
-start with distinct tokens, so at most one of them gets past its first token: the draft tree accepts
->= k with probability t_k = a_k * (1 + (r_2 + ... + r_W) / a_1), where r_w = P(the target's token is
-the draft's w-th guess) (`RankModel`, decayed counts like the chain's) and a branch that got its
-first token right is assumed to go on as the chain does (a_k / a_1). The lookup is estimated as if
-independent of the draft: E = 1 + sum_k 1 - (1 - t_k)(1 - a_k^l). `choose_tree` picks (W, K_d, K_l)
-over the whole grid, so it drafts beside a lookup, or widens the tree, only when the expected gain
-pays for the draft forward and the wider verify, and falls back to a chain, to either branch alone,
-or to a plain step otherwise.
+A forking round (engine.proposers, greedy) verifies the draft's chain of K_d tokens and, beside it, a
+prompt lookup of K_l tokens, as two branches of one forward. The lookup is estimated as if
+independent of the draft: E = 1 + sum_k 1 - (1 - a_k)(1 - l_k), with l_k the lookup's own survival.
+`choose_fork` picks (K_d, K_l) over the whole grid, so it drafts beside a lookup only when the
+expected gain pays for the draft forward and the wider verify, and falls back to either branch alone
+or to a plain step otherwise. DominoTree's budget is engine.tree_policy's.
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ class RoundCost:
     verify: list[float]  # verify[r-1]: target forward over r rows (features included), r = 1..K_max+1
     draft: float  # draft forward over the block + base logits (0 in `ngram`)
     rollout_step: float  # one chain step (0 in `ngram`)
-    branch_step: float = 0.0  # one step of the draft's widest tree (engine.draft_head; 0 without one)
     tree_build: float = 0.0  # growing DominoTree's whole budget of nodes (engine.domino_tree; 0 without one)
 
     def round_ms(self, k: int) -> float:
@@ -55,12 +50,11 @@ class RoundCost:
         """Cost of a round verifying k prompt-lookup tokens: the verify alone (no draft forward, no chain)."""
         return self.verify[k]
 
-    def tree_ms(self, width: int, kd: int, kl: int) -> float:
-        """Cost of a branching round (engine.proposers): `width` draft branches of kd drafts and a lookup of kl
-        tokens in one verify (width 1, kl 0: a chain round)."""
-        step = self.rollout_step if width == 1 else self.branch_step
-        drafting = self.draft + kd * step if kd else 0.0
-        return drafting + self.verify[width * kd + kl]
+    def fork_ms(self, kd: int, kl: int) -> float:
+        """Cost of a forking round (engine.proposers): a chain of kd drafts and a lookup of kl tokens in one
+        verify (kl 0: a chain round; kd 0: a lookup round, no draft forward)."""
+        drafting = self.draft + kd * self.rollout_step if kd else 0.0
+        return drafting + self.verify[kd + kl]
 
     def best_first_ms(self, nodes: int, kl: int) -> float:
         """Cost of a DominoTree round verifying its best `nodes` nodes and a lookup of kl tokens (nodes 0:
@@ -99,34 +93,6 @@ class AcceptanceModel:
         return out
 
 
-class RankModel:
-    """Decayed counts of how often the target's token was the draft's w-th guess, w = 2..W (the
-    first guess is the chain's a_1): each round that verified w_round branches tried ranks 2..w_round."""
-
-    def __init__(self, width: int, window: int):
-        self.keep = 1.0 - 1.0 / max(window, 1)
-        self.tried = [0.0] * max(width - 1, 0)  # tried[w-2]: rounds that verified the w-th guess
-        self.hit = [0.0] * max(width - 1, 0)  # hit[w-2]: of those, rounds it was the target's token
-
-    def update(self, width: int, winner_rank: int) -> None:
-        """One round that verified `width` first guesses, of which guess `winner_rank` (1-based; 0: none,
-        or a round without a draft) was accepted."""
-        for w in range(len(self.tried)):
-            self.tried[w] *= self.keep
-            self.hit[w] *= self.keep
-        for w in range(min(width - 1, len(self.tried))):
-            self.tried[w] += 1.0
-            self.hit[w] += winner_rank == w + 2
-
-    def shares(self, first: float) -> list[float]:
-        """P(the chain's first draft accepted) a_1 -> [r_2 .. r_W], each unseen rank assumed half the one before."""
-        out, prior = [], first
-        for tried, hit in zip(self.tried, self.hit):
-            prior = (hit + PRIOR_WEIGHT * prior / 2) / (tried + PRIOR_WEIGHT)
-            out.append(prior)
-        return out
-
-
 def expected_rates(cost: RoundCost, survival: list[float], k_max: int, lookup: bool = False) -> list[float]:
     """-> tokens per ms for K = 0..k_max: E(K) / C(K); C of a draft round, or of a lookup round (`lookup`)."""
     round_ms = cost.lookup_ms if lookup else cost.round_ms
@@ -143,23 +109,20 @@ def choose_k(cost: RoundCost, survival: list[float], k_max: int, lookup: bool = 
     return max(range(len(rates)), key=rates.__getitem__)
 
 
-def choose_tree(cost: RoundCost, chain: list[float], lookup: list[float], kd_max: int, kl_max: int,
-                ranks: list[float] = (), width_max: int = 1) -> tuple[int, int, int]:
-    """Survivals a_k of the draft's chain and of the lookup, rank shares [r_2 .. r_W] -> the (W, K_d, K_l),
-    W <= width_max, K_d <= kd_max, K_l <= kl_max, with the most expected tokens per ms (module docstring);
-    (1, 0, 0) is a plain step."""
-    best, best_rate = (1, 0, 0), 1.0 / cost.round_ms(0)
-    for width in range(1, min(width_max, len(ranks) + 1) + 1):
-        widen = 1.0 + sum(ranks[:width - 1]) / chain[0] if chain and chain[0] > 0 else 1.0
-        for kd in range(kd_max + 1) if width == 1 else range(1, kd_max + 1):
-            tree = [min(1.0, chain[k] * widen) if k < kd else 0.0 for k in range(max(kd, kl_max))]
-            expected = 1.0 + sum(tree)  # 1 - (1 - t)(1 - l) = t + (1 - t) l: each lookup token adds (1 - t_k) l_k
-            for kl in range(kl_max + 1):
-                if kl:
-                    expected += (1.0 - tree[kl - 1]) * lookup[kl - 1]
-                if kd == kl == 0:
-                    continue
-                rate = expected / cost.tree_ms(width, kd, kl)
-                if rate > best_rate:
-                    best, best_rate = (width, kd, kl), rate
+def choose_fork(cost: RoundCost, chain: list[float], lookup: list[float], kd_max: int,
+                kl_max: int) -> tuple[int, int]:
+    """Survivals a_k of the draft's chain and l_k of the lookup -> the (K_d, K_l), K_d <= kd_max, K_l <= kl_max,
+    with the most expected tokens per ms (module docstring); (0, 0) is a plain step."""
+    best, best_rate = (0, 0), 1.0 / cost.round_ms(0)
+    for kd in range(kd_max + 1):
+        drafts = [chain[k] if k < kd else 0.0 for k in range(max(kd, kl_max))]
+        expected = 1.0 + sum(drafts)  # 1 - (1 - a)(1 - l) = a + (1 - a) l: each lookup token adds (1 - a_k) l_k
+        for kl in range(kl_max + 1):
+            if kl:
+                expected += (1.0 - drafts[kl - 1]) * lookup[kl - 1]
+            if kd == kl == 0:
+                continue
+            rate = expected / cost.fork_ms(kd, kl)
+            if rate > best_rate:
+                best, best_rate = (kd, kl), rate
     return best

@@ -3,7 +3,6 @@
 The verify rows (engine.accept): row 0 is x_start; rows 1..N hold the proposed tokens. The
 proposers (engine.proposers) build one `Proposal` a round from their parts:
 - the draft's chain: one part, a chain under row 0;
-- the first-token tree: W parts, one chain per first guess;
 - DominoTree: one part of n nodes, a best-first tree (engine.domino_tree);
 - a prompt lookup: one part, a chain under row 0, after the draft's (a fork); or alone.
 A chain alone needs no mask (`shape` None: the runners' causal verify); anything else carries its
@@ -23,8 +22,8 @@ from dominospec.engine.verify_shape import Tree, branch_tree
 
 @dataclass(frozen=True)
 class Part:
-    """Rows first .. first + rows - 1 of a proposal, from one source: "draft" (a chain, one branch of
-    the first-token tree) or "tree" (DominoTree's nodes), or "lookup" (a chain from the prompt)."""
+    """Rows first .. first + rows - 1 of a proposal, from one source: "draft" (the draft's chain)
+    or "tree" (DominoTree's nodes), or "lookup" (a chain from the prompt)."""
 
     source: str
     first: int

@@ -2,32 +2,30 @@
 
 One `Proposer` per engine, chosen once by the mode (`proposer_for`); the round (engine.round) asks it
 three things and never looks at the mode:
-  plan(state, room, greedy)        -> Plan: K drafts to run (0: no draft forward), the width (W branches
-                                      of the first-token tree, or DominoTree's n nodes), a lookup
+  plan(state, room, greedy)        -> Plan: K drafts to run (0: no draft forward), DominoTree's n
+                                      nodes, a lookup
   propose(plan, block, x_start, …) -> Proposal (engine.proposal) from the draft block (z, u) and the lookup
   learn(plan, verdict, m, stats)   -> the generation's stats, and auto-K's models (engine.policy,
                                       engine.tree_policy), each of its own part of the verify
 
 - `PlainSteps` (`ar`): nothing to propose, one target step a round.
 - `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
-- `DraftChains` (`dflash`, `domino`): the draft's chain, cut where its confidence falls below
-  `confidence_cut`; greedy with a first-token tree of width W > 1 (engine.tree), the draft's W best first tokens as W chains; with
-  ngram_assist a lookup hit replaces the draft, or, forking (greedy), is verified beside it. Auto-K
-  chooses (W, K, L) together (`choose_tree`), or K alone for a chain.
-- `DraftTree` (`dominotree`): the best-first tree (engine.domino_tree), of which auto-budget verifies
-  the best n nodes (`choose_nodes`), a lookup beside it as in `DraftChains`.
+- `DraftChains` (`dflash`, `domino` with engine.tree.shape chain): the draft's chain, cut where its
+  confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces the draft, or,
+  forking (greedy), is verified beside it. Auto-K chooses (K, L) together (`choose_fork`), or K alone.
+- `DraftTree` (`domino` with best_first, the default; `dominotree`): the best-first tree
+  (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup
+  beside it as in `DraftChains`.
 Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
 generation alone.
 
-A branching round (greedy) verifies several proposals for the same positions as branches of one
-forward under row 0 (engine.verify_shape.branch_tree), ordered: the draft's (its best first token
-first), then the lookup. When the draft's best first guess is wrong its second or third often is,
-and the head continues each branch from its own first token; lookups and the draft win on different
-stretches (a lookup on text that repeats the prompt or itself, the draft elsewhere). Acceptance
-(engine.accept) walks the branches like any tree: the one accepted furthest wins, a tie going to the
-earlier (the first draft branch's rows are already in place), and the commit moves the winner's rows
-into place. Under sampling, several proposals for one position would need multi-draft rejection
-over their q, which the engine does not do: a sampled round verifies one chain.
+A forking round (greedy) verifies the draft's proposal and the lookup for the same positions as
+branches of one forward under row 0 (engine.verify_shape.branch_tree): lookups and the draft win on
+different stretches (a lookup on text that repeats the prompt or itself, the draft elsewhere).
+Acceptance (engine.accept) walks the branches like any tree: the one accepted furthest wins, a tie
+going to the draft (its rows are already in place), and the commit moves the winner's rows into
+place. Under sampling, two proposals for one position would need multi-draft rejection over their q,
+which the engine does not do: a sampled round verifies the draft alone, or a lookup alone.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from dominospec.engine.policy import AcceptanceModel, RankModel, RoundCost, choose_k, choose_tree
+from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_fork, choose_k
 from dominospec.engine.proposal import Proposal, best_first, chains
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
@@ -46,11 +44,11 @@ from dominospec.engine.verdict import Verdict
 
 @dataclass(frozen=True)
 class Plan:
-    """drafts: K, the block's slots to draft from (0: no draft forward); width: W chains of K (1: one
-    chain), or a tree's n best nodes; lookup: the prompt-lookup tokens to verify ([] none)."""
+    """drafts: K, the block's slots to draft from (0: no draft forward); nodes: a tree's n best nodes (0 in a
+    chain round); lookup: the prompt-lookup tokens to verify ([] none)."""
 
     drafts: int = 0
-    width: int = 1
+    nodes: int = 0
     lookup: list[int] = field(default_factory=list)
 
 
@@ -140,43 +138,33 @@ class LookupSteps(Proposer):
 
 
 class DraftChains(Proposer):
-    """`dflash` / `domino`: the draft's chain, or W chains of its best first tokens, and a lookup."""
+    """`dflash` / `domino` with engine.tree.shape chain: the draft's chain, and a lookup."""
 
-    def __init__(self, head: Any, width: int, confidence_cut: float, **shared: Any):
-        self.head, self.width, self.confidence_cut = head, width, confidence_cut
-        super().__init__(**shared)  # fresh() reads the width
-
-    def fresh(self) -> None:
-        super().fresh()
-        self.ranks = RankModel(self.width, self.window)  # the draft's 2nd..W-th guesses
+    def __init__(self, head: Any, confidence_cut: float, **shared: Any):
+        self.head, self.confidence_cut = head, confidence_cut
+        super().__init__(**shared)
 
     @property
     def max_rows(self) -> int:
-        drafts = self.num_draft * self.width
-        return drafts + self.lookup_k_max if self.fork else max(drafts, self.lookup_k_max)
+        return self.num_draft + self.lookup_k_max if self.fork else max(self.num_draft, self.lookup_k_max)
 
     def plan(self, state: Any, room: int, greedy: bool) -> Plan:
         lookup, fork = self.lookup(state, room, greedy)
         if lookup and not fork:
             return Plan(lookup=lookup)
-        kd, width = min(self.num_draft, room), self.width if greedy else 1
+        kd = min(self.num_draft, room)
         if not self.auto:
-            return Plan(kd, width, lookup)
-        if not lookup and width == 1:
-            return Plan(min(self.choose_k(), room), 1, [])
-        chain = self.acceptance.survival()
-        W, K, L = choose_tree(self.cost, chain, self.lookup_acceptance.survival() if lookup else [], kd, len(lookup),
-                              self.ranks.shares(chain[0]) if width > 1 else [], width)
-        return Plan(K, W, lookup[:L])
+            return Plan(kd, 0, lookup)
+        if not lookup:
+            return Plan(min(self.choose_k(), room), 0, [])
+        K, L = choose_fork(self.cost, self.acceptance.survival(), self.lookup_acceptance.survival(), kd, len(lookup))
+        return Plan(K, 0, lookup[:L])
 
     def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
                 generator: Optional[torch.Generator]) -> Proposal:
         if block is None:
             return chains(self.lookup_part(plan), x_start)
         z, base_logits = block
-        if plan.width > 1:
-            drafts = self.head.branches(z, base_logits, x_start, plan.width)
-            return chains([("draft", d) for d in drafts] + self.lookup_part(plan), x_start)
         chain = self.head.chain(z, base_logits, x_start, sampling, generator, self.confidence_cut > 0)
         return chains([("draft", chain.tokens[:self.cut(chain)])] + self.lookup_part(plan), x_start, chain.probs)
 
@@ -189,35 +177,27 @@ class DraftChains(Proposer):
         return int(keep.long().cumprod(0).sum())
 
     def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
-        """By position: the draft's first chain (its best guesses) and its best one; ranks: which of the
-        W first guesses the target took; the lookup's own part."""
-        parts, drafts = verdict.proposal.parts, verdict.proposal.of("draft")
-        W, K, L = len(drafts), drafts[0].rows if drafts else 0, verdict.proposal.count("lookup")
-        per_branch = [len(verdict.path_in(part)) for part in drafts]
-        if len(parts) > 1:  # branches beside each other (a branching round): the one accepted furthest won
-            won = parts.index(verdict.winner())
-            n_chain, n_draft = per_branch[0], max(per_branch)
-            rank = won + 1 if won < W and n_draft else 0
-            stats.fork_rounds += L > 0
-            stats.fork_lookup_wins += L > 0 and won == W
-            stats.tree_rounds += W > 1
-            stats.tree_side_wins += 0 < won < W
+        """By position: the draft's chain; the lookup's own part. Forking, the branch accepted furthest won."""
+        drafts = verdict.proposal.of("draft")
+        K, L = drafts[0].rows if drafts else 0, verdict.proposal.count("lookup")
+        if drafts and L:  # the chain and the lookup beside each other (a forking round)
+            n_chain = len(verdict.path_in(drafts[0]))
+            stats.fork_rounds += 1
+            stats.fork_lookup_wins += verdict.winner().source == "lookup"
         else:
-            n_chain = n_draft = len(verdict.rows) - 1
-            rank = 1 if K and n_chain else 0
+            n_chain = len(verdict.rows) - 1
             stats.lookup_rounds += L > 0
-        stats.record_round(W * K + L, m, chain=(K, n_draft) if K else None)
+        stats.record_round(K + L, m, chain=(K, n_chain) if K else None)
         self.learn_lookup(verdict)
         if self.auto:
             self.acceptance.update(K, n_chain)
-            self.ranks.update(W, rank)
 
 
 REPLAN_ROUNDS = 4  # auto-budget re-solves DominoTree's plan every this many rounds (its model's window is ~64)
 
 
 class DraftTree(Proposer):
-    """`dominotree`: the best-first tree's best n nodes, and a lookup. Auto-budget's plan (the tree
+    """`domino` with best_first (`dominotree`): the best-first tree's best n nodes, and a lookup. Auto-budget's plan (the tree
     model's survival and `choose_nodes`, about 0.15 ms of host time a round on a GPU host) is solved
     once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the model moves by
     a few percent of its window a round, and on a small target the host bounds a tree round."""
@@ -263,7 +243,7 @@ class DraftTree(Proposer):
         if block is None:
             return chains(lookup, x_start)
         tree = self.grower.grow(*block, x_start, sampling)
-        return best_first(tree, min(plan.width, tree.size), lookup[0][1] if lookup else None)
+        return best_first(tree, min(plan.nodes, tree.size), lookup[0][1] if lookup else None)
 
     def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
         K, L, n = plan.drafts, len(plan.lookup), verdict.proposal.count("tree")

@@ -3,11 +3,11 @@
 The round keeps the engine's invariants (engine.spec): at its start the target KV holds positions
 0..start-1 and x_start, the last committed token, sits at `start`; the draft context plus the target
 features still waiting to be appended to it (`pending`) hold the same rows. Its steps:
-  0. plan (the engine's proposer, engine.proposers): K drafts, the width, a prompt lookup; K = 0
+  0. plan (the engine's proposer, engine.proposers): K drafts, a tree's nodes, a prompt lookup; K = 0
      drafts nothing (a lookup round, or a plain step);
   1. the draft forward over [x_start, MASK x (B-1)] at positions start..start+B-1, the pending
      features appended first -> z [K, H], base logits u [K, V] (the draft path's dtype);
-  2. the proposer's proposal (engine.proposal): a chain, branches, a tree, a lookup beside them;
+  2. the proposer's proposal (engine.proposal): a chain or a tree, a lookup beside it or alone;
   3. one target forward over [x_start, the proposal] with ancestors-only attention (a chain: causal),
      with the features of the draft's target layers, and one acceptance (engine.accept);
   4. commit: the accepted path's rows moved into place in the target KV, the rest cropped, their

@@ -112,7 +112,7 @@ class EngineRunners:
             return
         if problem:
             raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
-                            "(lower engine.tree.width / tree.nodes / ngram_num_draft, or set lean_target: auto)")
+                            "(lower engine.tree.nodes / ngram_num_draft, or set lean_target: auto)")
         triton = self.device.type == "cuda"
         self.lean = lean_decoder(self.target, triton)
         if self.draft is not None:
@@ -158,10 +158,10 @@ class EngineRunners:
         return kv, drafter
 
     @torch.inference_mode()
-    def capture(self, rows: int, num_draft: int, width: int) -> None:
+    def capture(self, rows: int, num_draft: int) -> None:
         """Run every shape a generation of at most `rows` positions can replay once, on its static
         runners: the verify of each T rows, the draft block of each S appended rows, the draft's
-        rollout of each K <= `num_draft` (and its W <= `width` first guesses, or its tree). Their CUDA
+        rollout of each K <= `num_draft` (and its tree). Their CUDA
         graphs are then captured (and the kernels compiled) before the first request, not inside a
         timed one. A no-op on the dynamic caches."""
         if not self.fits_static(rows):
@@ -182,17 +182,15 @@ class EngineRunners:
             drafter.crop(1)
         for K in range(1, num_draft + 1):
             self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
-            for W in range(2, width + 1):
-                self.head.branches(z[:K], base_logits[:K], x_start, W)
             if self.grower is not None:
                 self.grower.grow(z[:K], base_logits[:K], x_start)
 
-    def capture_all(self, num_draft: int, width: int) -> None:
+    def capture_all(self, num_draft: int) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
         (a server's start-up). A no-op without graphs."""
         if self.static and self.graphs:
             for capacity in self.capacities():
-                self.capture(capacity, num_draft, width)
+                self.capture(capacity, num_draft)
 
     def graph_failures(self) -> dict[str, str]:
         """Shapes whose CUDA-graph capture failed (they run eagerly) -> the error, by runner, capacity and shape."""

@@ -6,13 +6,13 @@ One `SpecEngine` per (target, draft, mode); `generate(prompt ids) -> Generation`
 - `ngram`: prompt-lookup drafting (engine.ngram): no draft model, no draft forward.
 - `dflash`: the draft backbone proposes a block, each draft token an independent draw from the
   base logits u (head off).
-- `domino`: the same block, drafted by the Domino rollout (GRU-corrected logits u + delta).
-- `dominotree`: the same block and head, drafting a best-first tree of `engine.tree.nodes` nodes
-  (engine.domino_tree), of which auto-budget verifies the best n (engine.tree_policy). `domino`
-  drafts the tree `engine.tree.shape` names, so with `best_first` it is `dominotree`.
+- `domino`: the same block and the Domino head (GRU-corrected logits u + delta), drafting what
+  `engine.tree.shape` names: `best_first` (the default) a best-first tree of `engine.tree.nodes`
+  nodes (engine.domino_tree), of which auto-budget verifies the best n (engine.tree_policy), or
+  `chain` the head's one chain.
+- `dominotree`: `domino` with best_first whatever the shape says (the engine's mode then reads so).
 With `ngram_assist` a draft mode's round whose context offers a prompt-lookup continuation verifies
-that instead, or, with `ngram_fork` (greedy), beside the draft; with `engine.tree.shape` first_token
-and `width` W > 1 (greedy) the draft's W best first tokens are verified as W chains (engine.proposers).
+that instead, or, with `ngram_fork` (greedy), beside the draft (engine.proposers).
 
 The mode picks a proposer once (engine.proposers); every round is the same (engine.round): plan,
 draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. The draft is put
@@ -77,12 +77,8 @@ class SpecEngine:
         self.draft, self.block_size, self.draft_dtype = None, 1, self.dtype
         self.head, self.grower = None, None  # the draft's proposal (engine.draft_head), DominoTree's build
         self.auto = num_draft == "auto"
-        first_token = mode in ("dflash", "domino") and params.tree.shape == "first_token"
-        self.width = params.tree.width if first_token else 1  # the first-token tree's W (1: a chain)
         self.nodes = params.tree.nodes if mode == "dominotree" else 0  # the best-first tree's budget N
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
-        if params.tree.width < 1:
-            raise UserError(f"engine.tree.width must be >= 1 (1 = a chain), got {params.tree.width}")
         if mode in DRAFT_MODES:
             self.path = load_draft_path(draft, target, mode, params, self.static_cache, self.cuda_graphs)
             self.draft, self.block_size, self.draft_dtype = self.path.model, self.path.block_size, self.path.dtype
@@ -113,12 +109,12 @@ class SpecEngine:
         if mode == "dominotree":
             return DraftTree(self.grower, self.nodes, **shared)
         if mode in ("dflash", "domino"):
-            return DraftChains(self.head, self.width, self.params.confidence_cut, **shared)
+            return DraftChains(self.head, self.params.confidence_cut, **shared)
         return (LookupSteps if mode == "ngram" else PlainSteps)(**shared)
 
     @property
     def max_verify(self) -> int:
-        """The most tokens one round verifies (W chains of K, a tree's nodes, a lookup, or both, forking)."""
+        """The most tokens one round verifies (a chain of K or a tree's nodes, a lookup, or both, forking)."""
         return self.proposer.max_rows
 
     @property
@@ -224,12 +220,12 @@ class SpecEngine:
     def capture(self, rows: int) -> None:
         """Run every shape a generation of at most `rows` positions can replay once, so that its CUDA
         graphs are captured before the first request (engine.runners.EngineRunners.capture)."""
-        self.runners.capture(rows, self.num_draft, self.width)
+        self.runners.capture(rows, self.num_draft)
 
     def capture_all(self) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
         (a server's start-up). A no-op without graphs."""
-        self.runners.capture_all(self.num_draft, self.width)
+        self.runners.capture_all(self.num_draft)
 
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
         """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
@@ -237,7 +233,7 @@ class SpecEngine:
         forward costs this engine takes (engine.cost.measure_round_cost)."""
         kv, drafter = self.runners.pair(len(prompt) + self.runners.max_rows)
         ids = torch.tensor(prompt, device=self.device)
-        self.cost = measure_round_cost(kv, drafter, self.head, self.grower, self.width, ids, self.num_draft,
+        self.cost = measure_round_cost(kv, drafter, self.head, self.grower, ids, self.num_draft,
                                        self.max_verify + 1, self.draft_dtype, self.now, shared=shared)
         return self.cost
 

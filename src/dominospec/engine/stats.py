@@ -24,8 +24,8 @@ class GenerationStats:
     lookup_rounds: int = 0  # draft modes with ngram_assist: rounds that verified a prompt-lookup continuation instead
     fork_rounds: int = 0  # ngram_fork: rounds that verified a lookup beside the draft's chain (engine.proposers)
     fork_lookup_wins: int = 0  # of those, rounds whose lookup branch accepted more than the chain
-    tree_rounds: int = 0  # a first-token tree of width > 1: rounds that verified more than one of the draft's first guesses (engine.draft_head)
-    tree_side_wins: int = 0  # of those, rounds won by a branch other than the draft's best guess
+    tree_rounds: int = 0  # DominoTree: rounds that verified more than one node
+    tree_side_wins: int = 0  # of those, rounds whose accepted path left the draft's best first token
     proposed: int = 0  # draft tokens verified, over all rounds
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
     # by position: the draft's own chains (ngram_assist's lookups left out, a fork's chain branch in,

@@ -6,7 +6,7 @@ and to the rows its tree lets it see, its ancestors; the runners (engine.target_
 engine.lean_kv) take the shape as it is, the round (engine.proposal) builds it.
 
 - one chain (`chain_tree`): row i at depth i, seeing rows 0..i (the causal mask);
-- branches under row 0 (`branch_tree`, a branching round: engine.proposers), T = 1 + sum(lengths),
+- branches under row 0 (`branch_tree`, a forking round: engine.proposers), T = 1 + sum(lengths),
   branch b of length K_b at rows first_b .. first_b + K_b - 1 (first_0 = 1, first_{b+1} = first_b + K_b):
 
       row 0                   x_start               position start

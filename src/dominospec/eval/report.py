@@ -16,10 +16,11 @@ Exact match (greedy only) is the share of prompts whose token ids equal AR's; ea
 is recorded with the target's top-2 logit margin at that point, so it can be checked against a
 near-tie.
 
-Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`;
-with the head also `domino_chain` (Domino with engine.tree.shape chain, when the configured tree branches) and
-`dominotree` (the best-first tree), in `modes` only. `sampled_report` is the second pass at the
-suite's sampling setting: τ and speed of AR, Domino and DominoTree under sampling.
+Modes: `ar`, `ngram` (prompt lookup), `dflash` (head off, metric suffix `_no_head`) and `domino`
+(engine.tree.shape's: DominoTree by default); with the head and a tree also `domino_chain` (Domino
+with engine.tree.shape chain: the head against head off on one shape), in `modes` only.
+`sampled_report` is the second pass at the suite's sampling setting: τ and speed of AR, head off,
+Domino (and its chain) under sampling.
 The flat keys describe the draft's mode (`spec_*`, `acceptance_length`, `speedup`, ...), `_no_head`
 the head-off mode and `_ngram` prompt lookup; `modes` holds every mode's metrics under one schema.
 """
@@ -35,8 +36,8 @@ from dominospec.engine import Generation, SpecEngine
 
 # The two draft modes: head off (metric suffix `_no_head`) and Domino; prompt lookup: `_ngram`.
 NO_HEAD, HEAD, NGRAM = "dflash", "domino", "ngram"
-# With the head, for comparison in `modes`: Domino's chain (when the configured Domino is a first-token tree), DominoTree
-CHAIN, TREE = "domino_chain", "dominotree"
+# With the head, for comparison in `modes`: Domino's chain, when the configured Domino is DominoTree
+CHAIN = "domino_chain"
 
 
 def relative_standard_error(columns: list[list[float]], signs: tuple[int, ...]) -> Optional[float]:
@@ -101,8 +102,8 @@ def pooled(generations: list[Generation]) -> dict[str, Any]:
         "fork_round_share": sum(s.fork_rounds for s in stats) / rounds if rounds else None,  # ngram_fork: chain + lookup
         "fork_lookup_win_share": (sum(s.fork_lookup_wins for s in stats) / forks  # of those, the lookup's branch won
                                   if (forks := sum(s.fork_rounds for s in stats)) else None),
-        "tree_round_share": sum(s.tree_rounds for s in stats) / rounds if rounds else None,  # first-token tree: > 1 first guess
-        "tree_side_win_share": (sum(s.tree_side_wins for s in stats) / trees  # of those, a guess after the best won
+        "tree_round_share": sum(s.tree_rounds for s in stats) / rounds if rounds else None,  # DominoTree: > 1 node
+        "tree_side_win_share": (sum(s.tree_side_wins for s in stats) / trees  # of those, the path left the best first token
                                 if (trees := sum(s.tree_rounds for s in stats)) else None),
         "draft_round_ms": 1000 * sum(s.draft_round_s for s in stats) / draft_rounds if draft_rounds else None,
         "host_ms_per_round": {phase: 1000 * sum(s.host_s.get(phase, 0.0) for s in stats) / rounds

@@ -1,9 +1,10 @@
 """The `evaluate` stage: AR vs prompt lookup vs head-off vs Domino decoding on prompt suites, in one run.
 
 For every prompt of every suite the modes run back to back (AR, ngram, head off, Domino as
-configured, and with the head: the Domino chain when engine.tree is a first-token tree of width > 1, and DominoTree) with
-the same sampling seed, so machine drift hits all alike. With `evaluate.sampled_temperature` a second
-pass runs AR, Domino and DominoTree at that temperature (seeds fixed), each suite's `sampled` entry. All share one target, prepared once
+configured: DominoTree by default, and with `evaluate.chain_comparison` Domino's chain beside it) with
+the same sampling seed, in an order rotated from prompt to prompt, so machine drift hits all alike.
+With `evaluate.sampled_temperature` a second pass runs AR, head off and Domino (and its chain) at that
+temperature (seeds fixed), each suite's `sampled` entry. All share one target, prepared once
 for the `engine:` params (packed linears: the AR baseline gets the verify forward's kernels).
 Outputs:
 
@@ -36,12 +37,12 @@ from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
 from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
 from dominospec.engine.configure import prepare_target, sampling_from
-from dominospec.engine.policy import choose_k, choose_tree
+from dominospec.engine.policy import choose_fork, choose_k
 from dominospec.engine.tree_policy import choose_nodes
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
-from dominospec.eval.report import CHAIN, HEAD, NGRAM, NO_HEAD, TREE, sampled_report, suite_report
+from dominospec.eval.report import CHAIN, HEAD, NGRAM, NO_HEAD, sampled_report, suite_report
 from dominospec.target import float32_matmul
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"
@@ -82,9 +83,8 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
                NO_HEAD: SpecEngine(target, draft, NO_HEAD, cfg.num_draft, options)}
     if spec_mode == HEAD:
         engines[HEAD] = SpecEngine(target, draft, HEAD, cfg.num_draft, options)
-        if cfg.chain_comparison and engines[HEAD].width > 1:  # the first-token tree's own chain, for comparison
+        if cfg.chain_comparison and engines[HEAD].nodes:  # DominoTree's own chain: the head against head off's
             engines[CHAIN] = SpecEngine(target, draft, HEAD, cfg.num_draft, options.with_tree(shape="chain"))
-        engines[TREE] = SpecEngine(target, draft, TREE, cfg.num_draft, options)
     loaded = [load_suite(s, target.tokenizer, params.target.chat_template_kwargs, params.paths.prepared, cfg.max_prompts,
                          cfg.max_prompt_tokens) for s in specs]
     suites = [s for s in loaded if s.prompts]
@@ -123,10 +123,10 @@ def _evaluate(params: Params, prompts: Optional[str], out: Optional[str]) -> dic
         "tau": TAU_DEFINITION,
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
-    sampled = second_sampling(cfg, sampling) if TREE in engines else None
-    if sampled is not None:  # AR, Domino (a chain under sampling) and DominoTree at the suite's sampling setting
+    sampled = second_sampling(cfg, sampling) if HEAD in engines else None
+    if sampled is not None:  # AR, head off, Domino (and its chain) at the second sampling setting
         report["sampled_temperature"] = sampled.temperature
-        modes = {m: engines[m] for m in ("ar", HEAD, TREE)}
+        modes = {m: engines[m] for m in ("ar", NO_HEAD, HEAD, CHAIN) if m in engines}
         for suite in suites:
             report["suites"][suite.name]["sampled"] = run_sampled(suite, modes, sampled, cfg)
     out_path = Path(out) if out else Path(params.paths.metrics) / "eval.json"
@@ -185,7 +185,6 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
         "acceptance_estimate_at_end": survival,  # P(>= k drafts accepted), k = 1..K_max, recent rounds
         "k_at_end": choose_k(cost, survival, k_max),
     }
-    ranks = tree_shares(engine)
     lookups = models.lookup_acceptance
     if lookups is not None and lookups is not models.acceptance:  # ngram_assist: the lookups' own model
         survival = lookups.survival()
@@ -194,17 +193,13 @@ def auto_k_record(engine: SpecEngine) -> dict[str, Any]:
             "acceptance_estimate_at_end": survival,
             "k_at_end": choose_k(cost, survival, engine.lookup_k_max, lookup=True),
         }
-        if models.fork:  # the (W, K_d, K_l) a full lookup would get now
-            record["fork"] = {"k_at_end": list(choose_tree(cost, models.acceptance.survival(), survival, k_max,
-                                                           engine.lookup_k_max, ranks, engine.width))}
-    if engine.mode == TREE:  # DominoTree: the tree's survival by budget at the end, and the budget it gives
+        if models.fork and not engine.nodes:  # the (K_d, K_l) a full lookup would get now
+            record["fork"] = {"k_at_end": list(choose_fork(cost, models.acceptance.survival(), survival, k_max,
+                                                           engine.lookup_k_max))}
+    if engine.nodes:  # DominoTree: the tree's survival by budget at the end, and the budget it gives
         survival = models.tree_model.survival()
         record["dominotree"] = {"expected_tokens_by_nodes": [1.0 + sum(s) for s in survival],
                                 "nodes_at_end": choose_nodes(cost, survival, [], engine.nodes, 0)[0]}
-    if engine.width > 1:  # how often the draft's 2nd..W-th guesses were the target's token, and the tree now
-        record["tree"] = {"rank_share_estimate_at_end": ranks,
-                          "k_at_end": list(choose_tree(cost, models.acceptance.survival(), [], k_max, 0,
-                                                       ranks, engine.width))}
     return record
 
 
@@ -220,15 +215,15 @@ def second_sampling(cfg: EvaluateParams, sampling: Sampling) -> Optional[Samplin
 
 
 def run_sampled(suite: Suite, engines: dict[str, SpecEngine], sampling: Sampling, cfg: EvaluateParams) -> dict[str, Any]:
-    """Every prompt through AR, Domino and DominoTree at `sampling`, interleaved, seed i for prompt i
+    """Every prompt through AR, head off and Domino (and its chain) at `sampling`, interleaved, seed i for prompt i
     -> the suite's `sampled` entry (eval.report.sampled_report)."""
     runs = []
     for i, ids in enumerate(suite.prompts):
         runs.append({mode: engine.generate(ids, cfg.max_new_tokens, sampling, cfg.stop_strings, seed=cfg.seed + i)
                      for mode, engine in rotated(engines, i)})
-        tree = runs[-1][TREE].stats
-        print(f"[{suite.name} T={sampling.temperature} {i + 1}/{len(suite.prompts)}] τ {_fmt(tree.acceptance_length)} "
-              f"(dominotree), {_fmt(runs[-1][HEAD].stats.acceptance_length)} (domino)", flush=True)
+        print(f"[{suite.name} T={sampling.temperature} {i + 1}/{len(suite.prompts)}] τ "
+              f"{_fmt(runs[-1][HEAD].stats.acceptance_length)} (domino), "
+              f"{_fmt(runs[-1][NO_HEAD].stats.acceptance_length)} (head off)", flush=True)
     return sampled_report(runs, sampling)
 
 
@@ -237,12 +232,6 @@ def rotated(engines: dict[str, SpecEngine], i: int) -> list[tuple[str, SpecEngin
     pays alone what a new prompt length costs the first time (kernel and primitive picks)."""
     items = list(engines.items())
     return items[i % len(items):] + items[:i % len(items)]
-
-
-def tree_shares(engine: SpecEngine) -> list[float]:
-    """-> the engine's estimate of r_2 .. r_W (engine.policy.RankModel) after its last generation."""
-    models = engine.proposer
-    return models.ranks.shares(models.acceptance.survival()[0]) if engine.width > 1 else []
 
 
 def run_suite(suite: Suite, engines: dict[str, SpecEngine], spec_mode: str, sampling: Sampling,
