@@ -31,15 +31,15 @@ import yaml
 
 from dominospec.errors import ParamsError
 
-# keys that were renamed -> what replaced them (no alias: an old params file fails, saying this)
-RENAMED = {
-    "engine.tree_nodes": "engine.tree.nodes",
-    "engine.tree_children": "engine.tree.children",
-}
-# keys that were retired with what they set -> why, and what to set instead
+# keys that were renamed or retired -> what an old params file that sets one is told (no alias: it fails)
 FIRST_TOKEN_TREE = ("the first-token tree is retired: DominoTree (engine.tree.shape: best_first) is domino's tree, "
                     "its budget engine.tree.nodes")
-RETIRED = {"engine.tree_width": FIRST_TOKEN_TREE, "engine.tree.width": FIRST_TOKEN_TREE}
+GONE = {
+    "engine.tree_nodes": "replaced by engine.tree.nodes",
+    "engine.tree_children": "replaced by engine.tree.children",
+    "engine.tree_width": FIRST_TOKEN_TREE,
+    "engine.tree.width": FIRST_TOKEN_TREE,
+}
 RETIRED_VALUES = {("engine.tree.shape", "first_token"): FIRST_TOKEN_TREE}  # (key, value) -> why it is gone
 PRESETS = "params"  # the folder beside params.yaml whose NAME.yaml files are presets over it
 PRESET_STAMP = re.compile(r"# preset: ([\w.-]+)")  # params.yaml's first line once `dominospec preset NAME` wrote it
@@ -408,10 +408,8 @@ def _build(cls: type, raw: Any, fname: str, prefix: str, skip: set[str] = frozen
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
     for key in raw:
-        if f"{prefix}{key}" in RENAMED:
-            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': replaced by {RENAMED[prefix + key]}")
-        if f"{prefix}{key}" in RETIRED:
-            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': {RETIRED[prefix + key]}")
+        if f"{prefix}{key}" in GONE:
+            raise ParamsError(f"{fname}: unknown key '{prefix}{key}': {GONE[prefix + key]}")
         if key not in names:
             raise ParamsError(f"{fname}: unknown key '{prefix}{key}'")
     values = {}

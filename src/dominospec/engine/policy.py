@@ -42,13 +42,11 @@ class RoundCost:
 
     def round_ms(self, k: int) -> float:
         """Cost of a round verifying k drafts (k = 0: a plain target step, no draft forward)."""
-        if k == 0:
-            return self.verify[0]
-        return self.draft + k * self.rollout_step + self.verify[k]
+        return self.fork_ms(k, 0)
 
     def lookup_ms(self, k: int) -> float:
         """Cost of a round verifying k prompt-lookup tokens: the verify alone (no draft forward, no chain)."""
-        return self.verify[k]
+        return self.fork_ms(0, k)
 
     def fork_ms(self, kd: int, kl: int) -> float:
         """Cost of a forking round (engine.proposers): a chain of kd drafts and a lookup of kl tokens in one
