@@ -14,11 +14,12 @@ target's own answers, before any engine work:
 - `first W`: the W best first tokens of u_0, each continued by the head's greedy chain (1 + W·K rows);
 - `best-first N`: N nodes, each expansion adding the `--children` most likely children of the best
   unexpanded path (log-softmax of u_d + correction(z_d, s_path) over the full vocabulary), depth <= K
-  (1 + N rows). Greedy verification accepts the longest path of the tree that the target's answer
-  follows, so n = the depth of the answer's path in the tree.
+  (1 + N rows); `--depth-bonus b` adds b per depth to a path's score (a calibration that favours
+  depth). Greedy verification accepts the longest path of the tree that the target's answer follows,
+  so n = the depth of the answer's path in the tree.
 
     python benchmarks/studies/tree_oracle.py --draft DIR [--params params.yaml] [--prompts 16] [--new-tokens 128] \
-        [--rows 8,15,29,57] [--children 2,4,8]
+        [--rows 8,15,29,57] [--children 2,4,8] [--depth-bonus 0,0.5,1,2]
 
 Prints walk τ by policy and verify rows, per suite, as a markdown table. A model of the engine
 (teacher-forced features, no auto-K), not an engine measurement.
@@ -74,8 +75,10 @@ def first_guesses_accepted(anchor: Anchor, labels: list[int], width: int, K: int
     return max(chain_accepted(anchor, labels, f, K) for f in firsts)
 
 
-def best_first_accepted(anchor: Anchor, labels: list[int], nodes: int, children: int, K: int) -> int:
-    """A best-first tree of `nodes` nodes -> the depth of the answer's path in it."""
+def best_first_accepted(anchor: Anchor, labels: list[int], nodes: int, children: int, K: int,
+                        bonus: float = 0.0) -> int:
+    """A best-first tree of `nodes` nodes -> the depth of the answer's path in it. `bonus` is added to a
+    path's score per depth (0: the cumulative log-probability alone; > 0 favours deeper paths)."""
     order = itertools.count()
     frontier: list = []  # (-cumulative log-prob, tie, path, state of the parent)
 
@@ -84,7 +87,7 @@ def best_first_accepted(anchor: Anchor, labels: list[int], nodes: int, children:
             return
         lp = F.log_softmax(anchor.logits(len(path), state), dim=-1).topk(children)
         for v, t in zip(lp.values.tolist(), lp.indices.tolist()):
-            heapq.heappush(frontier, (-(logp + v), next(order), path + (t,), state))
+            heapq.heappush(frontier, (-(logp + v + bonus), next(order), path + (t,), state))
 
     tree: set = set()
     offer((), anchor.s0, 0.0)
@@ -117,6 +120,7 @@ def main() -> None:
     p.add_argument("--draft", required=True, help="a trained draft (HF layout), e.g. the H200 preset's")
     p.add_argument("--rows", default="8,15,29,57", help="verify rows: 1 + W·K of the first-token trees")
     p.add_argument("--children", default="2,4,8", help="best-first: children offered per expansion (each tried)")
+    p.add_argument("--depth-bonus", default="0", help="best-first: score bonuses per depth (each tried; 0 = DominoTree's score)")
     args = p.parse_args()
     params = setup(args)
     target = load_target(params)
@@ -125,6 +129,8 @@ def main() -> None:
     embed, lm_head = target.embed_tokens, target.lm_head
     ar = SpecEngine(target, None, "ar", None, plain_engine(params.engine))
     rows = [int(r) for r in args.rows.split(",")]
+    children = [int(c) for c in args.children.split(",")]
+    bonuses = [float(b) for b in args.depth_bonus.split(",")]
     print("| suite | verify rows | policy | walk τ |\n|---|---|---|---|", flush=True)
     for suite in suites(params, target.tokenizer, args.prompts):
         answers = []
@@ -148,9 +154,9 @@ def main() -> None:
                 width = (r - 1) // K
                 policies = [("chain", lambda an, lb: chain_accepted(an, lb, int(an.logits(0, an.s0).argmax()), K))] \
                     if width <= 1 else [(f"first {width}", lambda an, lb, w=width: first_guesses_accepted(an, lb, w, K))]
-                for c in (int(c) for c in args.children.split(",")):
-                    policies.append((f"best-first {r - 1}, {c} children",
-                                     lambda an, lb, n=r - 1, c=c: best_first_accepted(an, lb, n, c, K)))
+                for c, bonus in itertools.product(children, bonuses):
+                    name = f"best-first {r - 1}, {c} children" + (f", depth bonus {bonus:g}" if bonus else "")
+                    policies.append((name, lambda an, lb, n=r - 1, c=c, b=bonus: best_first_accepted(an, lb, n, c, K, b)))
                 for name, accepted in policies:
                     print(f"| {suite.name} | {r} | {name} | {walk(answers, accepted, K):.3f} |", flush=True)
 
