@@ -18,6 +18,8 @@ every mode runs in turn (interleaved, so all see the same machine drift):
                   recipe). Warmed up first; checked token for token against `ar`
     ngram         SpecEngine "ngram" (prompt lookup, K = ngram_num_draft)
     dflash        SpecEngine "dflash" (head off, K = B - 1)
+    dflash+fork   head off with the lookup and the fork of domino+fork and dominotree+fork: the head
+                  judged against head off on equal options
     domino        SpecEngine "domino" with engine.tree.shape chain, head_kernel triton on CUDA (torch on CPU)
     domino+ngram  the same with ngram_assist
     domino+fork   the same with ngram_assist and ngram_fork (a lookup hit verified beside the chain,
@@ -79,10 +81,10 @@ from dominospec.bench import (HEAD_SHAPES, QWEN3_8B, StaticGenerate, building, c
                               read_prompts, require_cuda, sync, write_json)
 from dominospec.bench import parser as make_parser
 
-MODES = ("ar", "graph ar", "ngram", "dflash", "domino", "domino+ngram", "domino+fork", "dominotree+fork",
-         "ar graphs", "ngram graphs", "dflash graphs", "domino graphs", "domino+ngram graphs", "domino+fork graphs",
-         "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "domino lean",
-         "domino+ngram lean", "domino+fork lean", "dominotree+fork lean")
+MODES = ("ar", "graph ar", "ngram", "dflash", "dflash+fork", "domino", "domino+ngram", "domino+fork", "dominotree+fork",
+         "ar graphs", "ngram graphs", "dflash graphs", "dflash+fork graphs", "domino graphs", "domino+ngram graphs",
+         "domino+fork graphs", "dominotree+fork graphs", "ar lean", "ngram lean", "dflash lean", "dflash+fork lean",
+         "domino lean", "domino+ngram lean", "domino+fork lean", "dominotree+fork lean")
 GRAPHED = ("ar lean", "ar graphs")  # our CUDA-graph AR (the lean decoder's when it ran): the baseline of the graph'd modes
 TAUS = (2, 3, 4, 5)
 GRAPH_AR_STATE = {True: "compiled", False: "NOT compiled", None: "not run"}
@@ -184,6 +186,8 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
             "ar" + suffix: SpecEngine(target, None, "ar", None, opts),
             "ngram" + suffix: SpecEngine(target, None, "ngram", "auto" if args.num_draft == "auto" else None, opts),
             "dflash" + suffix: SpecEngine(target, draft, "dflash", args.num_draft, opts),
+            "dflash+fork" + suffix: SpecEngine(target, draft, "dflash", args.num_draft,
+                                               dataclasses.replace(opts, ngram_assist=True, ngram_fork=True)),
             "domino" + suffix: SpecEngine(target, draft, "domino", args.num_draft, opts),
             "domino+ngram" + suffix: SpecEngine(target, draft, "domino", args.num_draft,
                                                 dataclasses.replace(opts, ngram_assist=True)),
@@ -223,7 +227,8 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
     stops = sorted(next(iter(engines.values())).stop_ids)
     graph = None
     if "graph ar" in modes:
-        graph = StaticGenerate(target, stops, max((p for _, p in plan), key=len), args.new_tokens)
+        graph = StaticGenerate(target, stops, max((p for _, p in plan), key=len), args.new_tokens,
+                               kept=args.graph_ar_cache == "kept")
         e2e.update(graph_ar_compiled=graph.compiled, graph_ar_warmup_s=round(graph.warmup_s, 1))
         log(f"e2e: warm, graph ar {'compiled (CUDA graphs)' if graph.compiled else 'NOT compiled (static cache only)'} "
             f"in {graph.warmup_s:.1f} s")
@@ -237,6 +242,8 @@ def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = 
         runs: dict[str, dict] = {}
         for engine in engines.values():  # untimed: this prompt length's first-call costs (kernel picks, compiles)
             engine.generate(prompt, 2)
+        if graph is not None:  # compiled generate is warmed on the prompt alike
+            graph(prompt, 2)
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # the order rotates: no mode always goes first
             sync(cuda)
             tick = time.perf_counter()
@@ -672,6 +679,9 @@ def main() -> None:
     parser.add_argument("--head-row", default="triton + graph", help="(iv) its row used as the head time")
     parser.add_argument("--no-graph-ar", dest="graph_ar", action="store_false",
                         help="leave out transformers' compiled generate (it always runs otherwise)")
+    parser.add_argument("--graph-ar-cache", choices=["kept", "fresh"], default="kept",
+                        help="compiled generate's static cache: one kept and reset per call, or generate's own "
+                             "(a new one a call: its recorded graphs write into the freed last one)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="after the greedy pass, the --sampled-modes at this temperature on the same prompts")
     parser.add_argument("--sampled-seconds", type=float, default=120, help="the sampled pass's own time budget")

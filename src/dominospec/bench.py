@@ -597,16 +597,22 @@ def interleaved(engines: dict[str, Any], prompts: list[list[int]], new_tokens: i
 class StaticGenerate:
     """HF `generate` with a static cache; on CUDA, transformers compiles the decode step
     (torch.compile mode reduce-overhead: CUDA graphs). The cache is sized once by the warm-up on the
-    longest prompt, so later calls reuse the compiled graphs."""
+    longest prompt and kept: every call resets and reuses the same StaticCache, so the recorded graphs'
+    static addresses (its K/V and its write counter) stay owned. Left to itself `generate` makes a new
+    cache a call and frees the last, whose blocks the recorded graphs still point at
+    (benchmarks/studies/compiled_generate_memory.py); `kept=False` does that, for the study."""
 
-    def __init__(self, target: Any, stops: list[int], longest: list[int], max_new: int):
-        from transformers import CompileConfig
+    def __init__(self, target: Any, stops: list[int], longest: list[int], max_new: int, kept: bool = True):
+        from transformers import CompileConfig, StaticCache
 
         self.model, self.device, self.stops = target.model, target.device, stops
-        self.kwargs = dict(do_sample=False, eos_token_id=stops, pad_token_id=stops[0], cache_implementation="static",
+        self.cache = StaticCache(config=self.model.config, max_cache_len=len(longest) + max_new) if kept else None
+        self.kwargs = dict(do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
                            compile_config=CompileConfig(fullgraph=False, mode="reduce-overhead"))
+        if not kept:
+            self.kwargs["cache_implementation"] = "static"
         tick = time.perf_counter()
-        self(longest, max_new)  # compiles and records, sizes the static cache
+        self(longest, max_new)  # compiles and records
         self(longest[: max(1, len(longest) // 2)], 16)
         self.warmup_s = time.perf_counter() - tick
         self.compiled = hasattr(self.model, "_compiled_call")  # set by transformers when it compiled
@@ -616,8 +622,12 @@ class StaticGenerate:
         ids = torch.tensor([prompt], device=self.device)
         if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()
+        cache = {}
+        if self.cache is not None:
+            self.cache.reset()
+            cache = {"past_key_values": self.cache}
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                  **self.kwargs)
+                                  **cache, **self.kwargs)
         return until_stop(out[0, len(prompt):].tolist(), self.stops)
 
 
