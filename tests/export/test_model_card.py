@@ -89,7 +89,7 @@ def test_the_card_quotes_this_runs_evaluation_of_these_weights(project):
     text = card(project)
     assert "Not measured yet" not in text and "Not quoted" not in text
     assert "| sharegpt | 2.235 | 1.877 | 1.171 | 1 | 1.925 | 31.25 |" in text  # headline.json's row
-    assert "| domino | 2.235 ± 0.1063 | 45.72 | 1.877 ± 0.0907 | 1 |" in text  # eval.json's modes
+    assert "| domino | 2.235 ± 0.11 | 45.72 | 1.877 ± 0.091 | 1 |" in text  # eval.json's modes
     assert "| sharegpt | 4 | 1.925 | 31.74 | 2.116 | 0 |" in text  # serve_eval.json at c = 4
     assert "on x86_64 (cpu), torch 2.13.0" in text and "builtin backend (mode `domino`)" in text
 

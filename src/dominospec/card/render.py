@@ -193,7 +193,8 @@ def _modes_table(modes: dict[str, Any]) -> list[str]:
 
 
 def _plus_minus(value: Any, se: Any) -> str:
-    return _format(value) if not se else f"{_format(value)} ± {_format(se)}"
+    """A value and its standard error -> "v ± se", the error to two significant digits."""
+    return _format(value) if not isinstance(se, float) or not se else f"{_format(value)} ± {se:.2g}"
 
 
 def _metrics_section(path: Path) -> list[str]:
