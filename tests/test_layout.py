@@ -140,7 +140,7 @@ def test_layers_point_down():
 # The library's subpackages (and top-level modules), bottom first: each imports only what sits below it
 # (or itself). Stages (`*.stage`, cli) obey it too; `dominospec` itself (the version) is below all.
 LAYERS = ["errors", "files", "config", "presets", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
-          "export", "serve", "eval", "retrain", "bench", "stages", "cli"]
+          "export", "serve", "eval", "card", "retrain", "bench", "stages", "cli"]
 
 
 def layer_of(module: str) -> str:
@@ -253,6 +253,25 @@ def test_every_dvc_stage_has_script_params_section_and_cli_command():
             f"stage {name} lists no library code in deps"
         )
         assert name in STAGES, f"stage {name} has no `dominospec {name}` command"
+
+
+def test_the_draft_directory_is_shared_file_by_file():
+    """export writes the contract's files of paths.draft, card its README.md, and every stage reads the files, never
+    the directory: DVC refuses overlapping outputs, and a dependency on the directory would follow the card, which
+    follows evaluate (a cycle)."""
+    from dominospec.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    draft = lambda entries: sorted(p for p in (e if isinstance(e, str) else next(iter(e)) for e in entries)  # noqa: E731
+                                   if p.startswith("${paths.draft}"))
+    files = [f"${{paths.draft}}/{name}" for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    assert draft(stages["export"]["outs"]) == files
+    assert draft(stages["card"]["outs"]) == [f"${{paths.draft}}/{CARD_FILE}"]
+    assert {name: draft(stage.get("outs", [])) for name, stage in stages.items() if name not in ("export", "card")
+            and draft(stage.get("outs", []))} == {}
+    readers = {name: draft(stage["deps"]) for name, stage in stages.items() if draft(stage["deps"])}
+    assert set(readers) >= {"evaluate", "serve_eval", "card"}
+    assert all(deps == files for deps in readers.values()), readers
 
 
 def test_dvc_paths_come_from_params_paths():

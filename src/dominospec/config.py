@@ -257,6 +257,13 @@ class HeadlineParams:
 
 
 @dataclass(frozen=True)
+class CardParams:
+    """The `card` stage: the exported draft's model card, written after the evaluation it quotes (card.stage)."""
+
+    license: Optional[str]  # the card's Hugging Face `license:` (e.g. apache-2.0); null = none written
+
+
+@dataclass(frozen=True)
 class ServeParams:
     """`dominospec serve` / `make serve`: SGLang on a CUDA host, else the built-in server (same API subset)."""
 
@@ -312,6 +319,7 @@ class Params:
     evaluate: EvaluateParams
     serve_eval: ServeEvalParams
     headline: HeadlineParams
+    card: CardParams
     serve: ServeParams
     retrain: RetrainParams
     mlflow: MlflowParams

@@ -25,6 +25,7 @@ STAGES: dict[str, str] = {
     "evaluate": "dominospec.eval.stage:evaluate",
     "serve_eval": "dominospec.eval.serve_stage:serve_eval",
     "headline": "dominospec.eval.headline:headline",
+    "card": "dominospec.card.stage:card",
 }
 
 

@@ -68,7 +68,8 @@ def test_dvc_repro_runs_every_stage_on_a_tiny_setup(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
     lock = yaml.safe_load((work / "dvc.lock").read_text())
-    assert set(lock["stages"]) >= {"prepare", "regenerate", "cache", "train", "export", "evaluate"}
+    assert set(lock["stages"]) >= {"prepare", "regenerate", "cache", "train", "export", "evaluate", "serve_eval",
+                                   "headline", "card"}
     prepare = json.loads((work / "metrics" / "prepare.json").read_text())
     assert prepare["conversations_read"] >= 5
     train = json.loads((work / "metrics" / "train.json").read_text())
@@ -78,6 +79,11 @@ def test_dvc_repro_runs_every_stage_on_a_tiny_setup(tmp_path):
     evaluation = json.loads((work / "metrics" / "eval.json").read_text())
     suite = evaluation["suites"]["sharegpt"]
     assert suite["n_prompts"] == 2 and suite["exact_match"] == 1.0 and suite["acceptance_length"] >= 1.0
+    # The model card comes last and quotes this run's evaluation of these weights, every document of it.
+    card = (work / "artifacts" / "draft" / "README.md").read_text()
+    assert evaluation["draft_sha256"] in card and "Not measured yet" not in card and "Not quoted" not in card
+    tau = json.loads((work / "metrics" / "headline.json").read_text())["sharegpt"]["tau"]
+    assert f"| sharegpt | {tau:.4g} |" in card  # headline.json's row
 
     # A second repro with nothing changed runs nothing.
     again = subprocess.run(dvc + ["repro"], cwd=work, capture_output=True, text=True, env=env, timeout=300)

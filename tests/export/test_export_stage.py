@@ -1,4 +1,4 @@
-"""The export stage: outputs and model card, refusals with clear errors, nothing half-written.
+"""The export stage: outputs, refusals with clear errors, nothing half-written.
 
 Run: python -m pytest tests/export/test_export_stage.py -q
 """
@@ -17,29 +17,17 @@ from dominospec.errors import UserError
 from dominospec.config import load_params
 from dominospec.export import check_export_dir
 from dominospec.export import stage as export_stage
-from dominospec.files import sha256_file
 from dominospec.export.stage import export
 
 
-def test_outputs_and_model_card(exported, tiny_target_dir):
+def test_outputs(exported):
+    """The HF directory holds the contract's two files and nothing else: its model card comes after evaluation."""
     draft = Path(exported.paths.draft)
-    assert sorted(p.name for p in draft.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in draft.iterdir()) == ["config.json", "model.safetensors"]
     assert Path(exported.paths.onnx).is_file() and Path(exported.paths.onnx_rollout).is_file()
     assert not [p.name for p in draft.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     mode = lambda name: (draft / name).stat().st_mode & 0o777  # noqa: E731
     assert mode("model.safetensors") == mode("config.json")  # as readable as the rest
-    card = (draft / "README.md").read_text()
-    # fp32 target: the card says why SGLang cannot serve it instead of showing a launch that fails
-    assert "SGLang cannot serve it as configured: target.dtype: SGLang's Domino runtime needs bfloat16" in card
-    assert "--speculative-domino-candidate-pool-size" not in card  # no flag advice for a launch that cannot run
-    assert "make serve" in card
-    sha = sha256_file(draft / "model.safetensors")
-    assert sha in card
-    for row in ("| val_acceptance_length | 2.346 |", "| conversations_read | 17 |", "| skipped.empty | 2 |",
-                "| tokens | 4321 |", "| gru_hidden_dim (G) | 20 |", "| target_layer_ids | [1, 3] |"):
-        assert row in card, row
-    assert "gru_hidden_dim: 20" in card and f"max_steps: {exported.train.max_steps}" in card  # draft + train params
-    assert "Not evaluated yet" in card
 
 
 def project(tmp_path, tiny_target_dir, tiny_target, **kwargs):
@@ -124,23 +112,11 @@ def test_failure_midway_leaves_the_previous_export_untouched(tmp_path, tiny_targ
 
     monkeypatch.undo()
     (Path(params.paths.draft) / "stale.bin").write_bytes(b"x")
-    export(params)  # the new export replaces the whole directory
-    assert sorted(p.name for p in Path(params.paths.draft).iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    (Path(params.paths.draft) / "README.md").write_text("the card of the previous weights")
+    export(params)  # the new export replaces the whole directory: no card of other weights stays beside it
+    assert sorted(p.name for p in Path(params.paths.draft).iterdir()) == ["config.json", "model.safetensors"]
     assert (Path(params.paths.draft) / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert check_export_dir(params.paths.draft) == []
-
-
-def test_eval_metrics_appear_only_for_these_weights(tmp_path, tiny_target_dir, tiny_target):
-    params = project(tmp_path, tiny_target_dir, tiny_target)
-    eval_file = Path(params.paths.metrics) / "eval.json"
-    eval_file.write_text(json.dumps({"draft_sha256": "f" * 64, "sharegpt": {"speedup": 1.875}}))
-    export(params)
-    card = (Path(params.paths.draft) / "README.md").read_text()
-    assert "was not measured on these weights" in card and "1.875" not in card
-    sha = sha256_file(Path(params.paths.draft) / "model.safetensors")
-    eval_file.write_text(json.dumps({"draft_sha256": sha, "sharegpt": {"speedup": 1.875}}))
-    export(params)
-    assert "| sharegpt.speedup | 1.875 |" in (Path(params.paths.draft) / "README.md").read_text()
 
 
 def test_pipeline_script_reports_a_missing_checkpoint_in_one_line(tmp_path, tiny_target_dir, tiny_target, capsys):
@@ -158,21 +134,3 @@ def test_weights_are_the_checkpoint_rounded_to_bf16(exported):
     for name, tensor in exported_tensors.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, checkpoint[name].to(torch.bfloat16)), name
-
-
-def test_model_card_sglang_launch_is_the_one_make_serve_runs(exported, tiny_target_dir):
-    """A bf16 HF target: the card shows exactly the argv `dominospec serve --backend sglang` executes."""
-    import dataclasses
-    import json
-
-    from dominospec.export.card import sglang_lines
-
-    params = dataclasses.replace(exported, target=dataclasses.replace(exported.target, dtype="bfloat16"))
-    config = json.loads((Path(exported.paths.draft) / "config.json").read_text())
-    draft, serve = exported.paths.draft, exported.serve
-    assert sglang_lines(params, config)[1] == (
-        f"python -m sglang.launch_server --model-path {tiny_target_dir} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens 4 "
-        f"--host {serve.host} --port {serve.port} --dtype bfloat16"
-        + "".join(f" {a}" for a in serve.sglang_args)
-    )

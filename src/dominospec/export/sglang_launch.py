@@ -16,9 +16,9 @@ SGLang needs a Hugging Face target (hub id or local directory): its DFLASH/Domin
 the target's bf16 embedding table and LM head, which a GGUF file (quantized, e.g. Q4_1) does not
 hold, so GGUF targets (the embedded default) are refused; they are served by the built-in server.
 
-Two users: the export's model card prints the line (`launch_argv` on the config.json being
-written), and `dominospec serve` executes it (dominospec.serve.sglang). It lives with export, below
-both, so that the card shows exactly what `make serve` runs without export importing serve.
+Two users: the draft's model card prints the line (dominospec.card: `launch_argv` on the exported
+config.json), and `dominospec serve` executes it (dominospec.serve.sglang). It lives with export, below
+both, so that the card shows exactly what `make serve` runs without the card importing serve.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 Reads   <paths.checkpoints>/final/   the trained inner model (`save_pretrained`, training dtype)
         the target                   its identity must be the one the draft was trained for;
                                      its LM head goes into the ONNX block graph
-Writes  paths.draft/                 config.json + bf16 model.safetensors (contract.py) + README.md
+Writes  paths.draft/                 config.json + bf16 model.safetensors (contract.py), nothing else
         paths.onnx, paths.onnx_rollout   fp32 block forward and rollout step (onnx_graphs.py)
+
+The directory is replaced whole, so a model card of earlier weights goes with them: the `card` stage
+(dominospec.card) writes paths.draft/README.md after evaluate, quoting the evaluation of these weights.
 
 Head-on drafts export in the Domino profile, head-off drafts (draft.use_domino_head: false) as plain
 DFlash. Nothing is replaced until every output is written and checked.
@@ -19,9 +22,8 @@ import torch
 from dominospec.errors import UserError
 from dominospec.config import Params
 from dominospec.engine.loading import check_draft_matches
-from dominospec.export.card import model_card
 from dominospec.export.checkpoint import check_matches_params, read_checkpoint
-from dominospec.export.contract import CARD_FILE, HEAD_TENSORS, check_config, check_export_dir, profile
+from dominospec.export.contract import HEAD_TENSORS, check_config, check_export_dir, profile
 from dominospec.export.hf import export_config, export_tensors, write_draft_dir
 from dominospec.export.onnx_graphs import MIN_OPSET, export_onnx
 from dominospec.export.staging import Staging
@@ -47,7 +49,6 @@ def export(params: Params) -> None:
     with Staging() as staging:
         draft_dir = staging.path_for(Path(params.paths.draft))
         weights_sha256 = write_draft_dir(draft_dir, exported, tensors)
-        (draft_dir / CARD_FILE).write_text(model_card(params, exported, weights_sha256))
         problems = check_export_dir(draft_dir)
         if problems:  # a bug in the writer, not the user's doing
             raise RuntimeError("the export breaks its own contract: " + "; ".join(problems))
@@ -60,7 +61,8 @@ def export(params: Params) -> None:
         )
         staging.publish()
     print(f"export: {params.paths.draft} ({profile(exported)}, {len(tensors)} bf16 tensors, sha256 "
-          f"{weights_sha256[:12]}), {params.paths.onnx}, {params.paths.onnx_rollout}")
+          f"{weights_sha256[:12]}), {params.paths.onnx}, {params.paths.onnx_rollout}; its model card comes after "
+          "evaluation (`dominospec card`)")
 
 
 def exported_draft(config: DominoDraftConfig, tensors: dict[str, torch.Tensor]) -> DFlashDraftModel:
