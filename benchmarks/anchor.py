@@ -32,7 +32,9 @@ import time
 
 import torch
 
-from dominospec.bench import environment, load_draft, load_target, parser, setup, suites, warm_up, write_json
+from common.cli import load_draft, load_target, parser, setup, suites
+from common.record import environment, write_json
+from common.timing import warm_up
 
 
 def main() -> None:

@@ -96,7 +96,9 @@ from typing import Any, Optional  # noqa: E402
 
 import yaml  # noqa: E402
 
-from dominospec.bench import apply_sets, environment, save_random_target  # noqa: E402
+from common.cli import apply_sets  # noqa: E402
+from common.random_models import save_random_target  # noqa: E402
+from common.record import environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_KEYS = ("prepared", "regenerated", "cache")  # paths the two runs share; the others are per run

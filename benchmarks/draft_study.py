@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from dominospec.bench import flatten, load_packed, load_target, parser, plain_engine, setup, until_stop, with_answer
+from common.cli import load_target, parser, plain_engine, setup
+from common.generate import until_stop
+from common.prompts import flatten, load_packed, with_answer
 
 # name -> overrides of (draft.*, train.*) and the data ("regen" | "orig", fraction of conversations)
 BASE = dict(num_layers=1, block_size=8, loss_gamma=4.0, data="regen", fraction=1.0, loss="ce", init=False,

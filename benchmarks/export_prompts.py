@@ -8,7 +8,7 @@ Writes, per suite of `evaluate.suites` (sharegpt, humaneval, or a .jsonl path):
   length limit apply), so `dominospec evaluate --server` there sends what it sends here.
 - DIR/prompt_ids.jsonl: {"prompt_ids": [...], "suite": name}, the first --ids rendered prompts of
   each suite (those `evaluate` keeps), for benchmarks/gpu_engine.py --prompts and
-  benchmarks/studies/graph_capacity.py (dominospec.bench.read_prompts reads it).
+  benchmarks/studies/graph_capacity.py (common.prompts.read_prompts reads it).
 Needs the prepared dataset (paths.prepared) and the target's tokenizer.
 """
 
@@ -18,7 +18,7 @@ import itertools
 import json
 from pathlib import Path
 
-from dominospec.bench import load_target, parser, setup, suites
+from common.cli import load_target, parser, setup, suites
 from dominospec.eval.prompts import suite_conversations, suite_name
 
 

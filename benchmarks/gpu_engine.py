@@ -76,10 +76,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dominospec.bench import (HEAD_SHAPES, QWEN3_8B, StaticGenerate, building, capture, environment, head_rollouts,
-                              interleave, load_target, log, median_ms, pack_suites, random_head, random_target,
-                              read_prompts, require_cuda, sync, write_json)
-from dominospec.bench import parser as make_parser
+from common.cli import load_target
+from common.generate import StaticGenerate
+from common.prompts import interleave, pack_suites, read_prompts
+from common.random_head import HEAD_SHAPES, head_rollouts, random_head
+from common.random_models import QWEN3_8B, building, random_target
+from common.record import environment, require_cuda, write_json
+from common.timing import capture, log, median_ms, sync
+from common.cli import parser as make_parser
 
 MODES = ("ar", "graph ar", "ngram", "dflash", "dflash+fork", "domino", "domino+ngram", "domino+fork", "dominotree+fork",
          "ar graphs", "ngram graphs", "dflash graphs", "dflash+fork graphs", "domino graphs", "domino+ngram graphs",
@@ -166,7 +170,7 @@ def expand_modes(wanted: list[str], budgets: list[int]) -> list[str]:
 def run_e2e(args: argparse.Namespace, deadline: float, result: dict, key: str = "e2e") -> None:
     """Fills result[key]: settings, per-prompt records, per-mode summaries, divergences; then, with
     --temperature, result[key + "_sampled"]: the sampled pass of --sampled-modes on the same prompts."""
-    from dominospec.bench import plain_engine
+    from common.cli import plain_engine
     from dominospec.config import load_params
     from dominospec.engine import SpecEngine
     from dominospec.eval.report import first_divergence, pooled, top2_margin

@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from dominospec.bench import apply_sets
+from common.cli import apply_sets
 from dominospec.config import read_params
 
 STAGES = ("prepare", "regenerate", "train", "export", "evaluate")
@@ -73,7 +73,7 @@ def first_turn_only(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 def prepared_with(args: argparse.Namespace, work: Path) -> Path:
     """The preset's prepare stage with --target-dir's tokenizer, into `work` -> the prepared dataset."""
-    from dominospec.bench import params_with
+    from common.cli import params_with
     from dominospec.data.prepare import prepare
 
     out = work / "prepared"

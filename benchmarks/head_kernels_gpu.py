@@ -4,7 +4,7 @@ Measurement (i) of the kernel issue. Random weights at Qwen3-8B shapes (hidden 4
 rank 256, vocab 151,936), block 16 -> K = 15 drafts, pure_draft_prefix_len 1 -> 14 corrected
 steps, bf16, batch 1. One row per path, median ms of one whole rollout (x_start, z, u -> d_1..d_15):
 
-    torch (eager)            the model's rollout, the one torch reference (dominospec.bench.head_model)
+    torch (eager)            the model's rollout, the one torch reference (common.random_head.head_model)
     torch + graph            the same ops captured in one CUDA graph
     triton (eager)           kernels.head_rollout, launched from Python
     triton + graph           the same captured in one CUDA graph       target <= 0.45 ms
@@ -34,7 +34,7 @@ The exit status is 1 if any check fails. Prints a markdown table last; --out wri
     python benchmarks/head_kernels_gpu.py --smoke --out /tmp/head_kernels_smoke.json   # CPU, tiny, TRITON_INTERPRET
 
 Needs torch, triton, transformers and the dominospec package installed (`pip install --no-deps .`
-is enough: it uses dominospec.kernels and dominospec.bench).
+is enough: it uses dominospec.kernels and benchmarks/common).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ import os
 
 import torch
 
-from dominospec.bench import (HEAD_SHAPES, capture, environment, head_model, head_rollouts, median_ms, parser, pool_ids,
-                              random_head, require_cuda, write_json)
+from common.cli import parser
+from common.random_head import HEAD_SHAPES, head_model, head_rollouts, pool_ids, random_head
+from common.record import environment, require_cuda, write_json
+from common.timing import capture, median_ms
 
 SHAPES = {name: s for name, s in HEAD_SHAPES.items() if name != "smoke"}
 HBM_BYTES_PER_S = 4.8e12  # H200

@@ -6,7 +6,7 @@ Each client is a thread with its own keep-alive connection; it sends its M reque
 other, alternating non-streaming and streaming (`--stream-every 2`: every 2nd is streamed), greedy,
 cycling through the prompts. Latency is send -> last byte (a stream's [DONE]); throughput is
 completed requests and completion tokens per wall-clock second of the whole run. Statuses other
-than 200 are counted by code (503 = queue full), never retried. The load is `dominospec.bench.run_load`,
+than 200 are counted by code (503 = queue full), never retried. The load is `common.http_load.run_load`,
 which tests/serve/test_load.py runs against a tiny served model.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 
-from dominospec.bench import parser, run_load
+from common.cli import parser
+from common.http_load import run_load
 
 
 def main() -> None:

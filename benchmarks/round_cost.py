@@ -26,13 +26,15 @@ import datetime
 
 import torch
 
-from dominospec.bench import device_name, interleaved, load_draft, load_target, parser, setup, suites, warm_up
+from common.cli import load_draft, load_target, parser, setup, suites
+from common.record import device_name
+from common.timing import interleaved, warm_up
 
 TAUS = (1.5, 2.0, 3.0)
 
 
 def main() -> None:
-    from dominospec.bench import plain_engine
+    from common.cli import plain_engine
     from dominospec.engine import SpecEngine, pack_linears
     from dominospec.engine.attention import use_grouped_sdpa
     from dominospec.eval.report import pooled

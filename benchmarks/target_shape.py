@@ -50,8 +50,11 @@ from typing import Any, Callable
 
 import torch
 
-from dominospec.bench import (as_target, building, copy_bandwidth, environment, log, new_draft, random_model,
-                              save_target_dir, shape_config, sync, train_steps, verify_costs, write_json)
+from common.cli import new_draft
+from common.random_models import as_target, building, random_model, save_target_dir, shape_config
+from common.record import environment, write_json
+from common.timing import copy_bandwidth, log, sync, verify_costs
+from common.train_loop import train_steps
 
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16)  # the architecture and vocabulary kept, the sizes cut
@@ -205,7 +208,7 @@ def round_kernels(target: Any, args: argparse.Namespace, cuda: bool, out: dict) 
 
 def train_batch(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """The train stage's loop at the preset's batch, doubled until it does not fit -> out["train"]."""
-    from dominospec.bench import params_with
+    from common.cli import params_with
 
     base = params_with(args.params, ["train.devices=1", "train.strategy=auto"])
     batch, out["train"] = base.train.batch_size, dict(preset_batch=base.train.batch_size, steps=args.train_steps, rows=[])
@@ -231,7 +234,7 @@ def train_batch(target: Any, args: argparse.Namespace, cuda: bool, out: dict) ->
 
 def generate(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """transformers' compiled static-cache generate: ms a step from two generation lengths -> out["generate"]."""
-    from dominospec.bench import StaticGenerate
+    from common.generate import StaticGenerate
 
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, target.identity.vocab_size, (args.context,), generator=g).tolist()

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from dominospec.bench import device_name, load_target, new_draft, parser, setup
+from common.cli import load_target, new_draft, parser, setup
+from common.record import device_name
 
 PHASES = ("blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
 

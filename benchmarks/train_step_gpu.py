@@ -25,8 +25,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from dominospec.bench import (SMOLLM2_135M, Sequences, environment, load_target, params_with, parser, random_target,
-                              train_steps, write_json)
+from common.cli import load_target, params_with, parser
+from common.random_models import SMOLLM2_135M, random_target
+from common.record import environment, write_json
+from common.train_loop import Sequences, train_steps
 
 
 KNOBS = ("chunk_rows", "cudnn", "pad")  # variant keys that are not params (see `knobs`)

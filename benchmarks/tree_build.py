@@ -45,7 +45,9 @@ def main() -> None:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.shapes, args.budgets, args.pool, args.replays, args.reps = "smoke", "4,16", 40, 1, 1
-    from dominospec.bench import environment, head_model, log, write_json
+    from common.random_head import head_model
+    from common.record import environment, write_json
+    from common.timing import log
     from dominospec.engine.domino_tree import TreeGrower
 
     cuda = torch.cuda.is_available() and not args.smoke

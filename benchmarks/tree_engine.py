@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from dominospec.bench import environment, interleaved, load_draft, load_target, parser, setup, suites, warm_up, write_json
+from common.cli import load_draft, load_target, parser, setup, suites
+from common.record import environment, write_json
+from common.timing import interleaved, warm_up
 
 
 def main() -> None:

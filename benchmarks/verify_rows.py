@@ -21,7 +21,10 @@ import json
 
 import torch
 
-from dominospec.bench import environment, load_target, parser, random_model, setup, verify_costs, write_json
+from common.cli import load_target, parser, setup
+from common.random_models import random_model
+from common.record import environment, write_json
+from common.timing import verify_costs
 
 
 def main() -> None:

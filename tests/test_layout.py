@@ -16,7 +16,7 @@ FORBIDDEN = {
     # layer -> top-level modules it must never import
     "kernels": {"transformers", "lightning", "pytorch_lightning", "mlflow", "dvc", "sglang", "dominospec"},
     "models": {"lightning", "pytorch_lightning", "mlflow", "dvc", "sglang", "pipeline"},
-    "src/dominospec": {"pipeline"},
+    "src/dominospec": {"pipeline", "common"},  # common: benchmarks/common, the scripts' helpers
 }
 
 
@@ -140,7 +140,7 @@ def test_layers_point_down():
 # The library's subpackages (and top-level modules), bottom first: each imports only what sits below it
 # (or itself). Stages (`*.stage`, cli) obey it too; `dominospec` itself (the version) is below all.
 LAYERS = ["errors", "files", "config", "presets", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
-          "export", "serve", "eval", "card", "retrain", "bench", "stages", "cli"]
+          "export", "serve", "eval", "card", "retrain", "stages", "cli"]
 
 
 def layer_of(module: str) -> str:
@@ -287,6 +287,26 @@ def test_dvc_paths_come_from_params_paths():
 def test_stage_scripts_are_thin():
     for script in (REPO / "pipeline").glob("*.py"):
         assert len(script.read_text().splitlines()) <= 100, script.name
+
+
+def test_the_benchmark_helpers_live_outside_the_package():
+    """The scripts' helpers are benchmarks/common (one module a concern), not a module of the package; every
+    `from common.M import NAME` in benchmarks/ and tests/ names a module there and a name it defines."""
+    assert not (REPO / "src" / "dominospec" / "bench.py").exists()
+    defined = {}
+    for path in (REPO / "benchmarks" / "common").glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        defined[path.stem] = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    problems = []
+    for path in [*(REPO / "benchmarks").rglob("*.py"), *(REPO / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("common."):
+                module = node.module.split(".", 1)[1]
+                missing = [a.name for a in node.names if a.name not in defined.get(module, set())]
+                if missing:
+                    problems.append(f"{path.relative_to(REPO)}: common.{module} has no {missing}")
+    assert not problems, problems
 
 
 def test_test_modules_have_unique_basenames():

@@ -18,6 +18,9 @@ Prints a markdown table per measurement.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import dataclasses
 import statistics
 import time
@@ -25,7 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dominospec.bench import load_draft, load_target, parser, setup, suites
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_draft, load_target, parser, setup, suites  # noqa: E402
 
 CONTEXTS = (150, 300, 600)
 ROWS = (1, 5, 12)

@@ -11,6 +11,11 @@ is what the lean runner uses today (kernels.tree_attention's defaults).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
 import argparse
 import itertools
 import statistics
@@ -31,7 +36,8 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8", help="num_warps to try")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from dominospec.bench import environment, log, write_json
+    from common.record import environment, write_json
+    from common.timing import log
     from dominospec.kernels.tree_attention import causal_bits, default_splits, tree_attention, tree_attention_workspace
 
     device, dtype = torch.device("cuda"), torch.bfloat16

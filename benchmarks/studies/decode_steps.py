@@ -13,12 +13,20 @@ quarter of the slots, under torch.profiler.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import json
 import time
 
 import torch
 
-from dominospec.bench import SMOLLM2_135M, device_name, parser, random_model, sync
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import parser  # noqa: E402
+from common.random_models import SMOLLM2_135M, random_model  # noqa: E402
+from common.record import device_name  # noqa: E402
+from common.timing import sync  # noqa: E402
 
 
 def main() -> None:

@@ -19,9 +19,15 @@ Prints P(target's token among the first W guesses) and walk τ by W (and b), per
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-from dominospec.bench import load_draft, load_target, parser, plain_engine, reply_blocks, setup, suites
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_draft, load_target, parser, plain_engine, setup, suites  # noqa: E402
+from common.prompts import reply_blocks  # noqa: E402
 
 
 def walk_tau(items: list, width: int, head: bool, num_draft: int, second: int = 1) -> float:

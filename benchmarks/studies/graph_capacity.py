@@ -17,9 +17,15 @@ the static runners run eagerly and the numbers say nothing about graphs).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import dataclasses
 
-from dominospec.bench import load_target, parser, read_prompts, setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_target, parser, setup  # noqa: E402
+from common.prompts import read_prompts  # noqa: E402
 from dominospec.engine import SpecEngine
 from dominospec.engine import spec as spec_module
 

@@ -20,6 +20,9 @@ markdown table of the median tokens/s per configuration.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import copy
 import dataclasses
 import json
@@ -28,7 +31,9 @@ import time
 
 import torch
 
-from dominospec.bench import load_target, parser, setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_target, parser, setup  # noqa: E402
 
 
 def main() -> None:

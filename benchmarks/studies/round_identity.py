@@ -17,6 +17,9 @@ Sampled modes are left out: their draws are a function of the acceptance's rando
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import argparse
 import dataclasses
 import hashlib
@@ -24,7 +27,10 @@ import json
 
 import torch
 
-from dominospec.bench import interleave, load_target, plain_engine, read_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_target, plain_engine  # noqa: E402
+from common.prompts import interleave, read_prompts  # noqa: E402
 
 # a fixed round cost (ms): auto-K's choices then depend on the acceptance alone
 COST = dict(verify=[10.0 + 0.4 * r for r in range(300)], draft=3.0, rollout_step=0.3, tree_build=2.0)

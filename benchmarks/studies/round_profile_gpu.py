@@ -22,13 +22,19 @@ Prints a markdown table last.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import sys
 import time
 
 import torch
 
-from dominospec.bench import (SMOLLM2_135M, environment, median_ms, parser, random_draft, random_target, require_cuda,
-                              setup, write_json)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import parser, random_draft, setup  # noqa: E402
+from common.random_models import SMOLLM2_135M, random_target  # noqa: E402
+from common.record import environment, require_cuda, write_json  # noqa: E402
+from common.timing import median_ms  # noqa: E402
 
 
 def smollm2_shaped(dtype: torch.dtype, device: torch.device):
@@ -118,7 +124,7 @@ def trace(engine, prompt, new_tokens: int, top: int = 15) -> dict:
 
 
 def main() -> None:
-    from dominospec.bench import plain_engine
+    from common.cli import plain_engine
     from dominospec.engine import SpecEngine
 
     p = parser(__doc__, params="params/smollm2-h200.yaml", prompts=4, new_tokens=96)

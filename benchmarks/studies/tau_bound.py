@@ -25,12 +25,17 @@ Prints a markdown table last; CPU or GPU (the target's device).
 
 from __future__ import annotations
 
+import sys
+
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
-from dominospec.bench import draft_record, load_draft, load_target, parser, setup, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_draft, load_target, parser, setup  # noqa: E402
+from common.record import draft_record, write_json  # noqa: E402
 
 BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
 

@@ -20,6 +20,9 @@ Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU de
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import dataclasses
 import json
 import time
@@ -27,7 +30,9 @@ from typing import Any
 
 import torch
 
-from dominospec import bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common import cli  # noqa: E402
 
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu-default": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250),
@@ -82,14 +87,14 @@ def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str
 
 
 def main() -> None:
-    p = bench.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--recipes", default="cpu-default,lr-2e-3,init-target,init-target-lr-2e-3")
     p.add_argument("--long-seconds", type=float, default=300.0, help="time budget of a recipe without max_steps")
     p.add_argument("--save-draft", help="save the last recipe's draft here (bf16, shards <= 15 MB)")
     p.add_argument("--accelerator", default="auto")
     args = p.parse_args()
     torch.set_float32_matmul_precision("high")
-    params = bench.setup(args)
+    params = cli.setup(args)
     rows = []
     for name in args.recipes.split(","):
         recipe = RECIPES[name]

@@ -27,13 +27,19 @@ Prints walk τ by policy and verify rows, per suite, as a markdown table. A mode
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import heapq
 import itertools
 
 import torch
 import torch.nn.functional as F
 
-from dominospec.bench import load_draft, load_target, parser, plain_engine, reply_blocks, setup, suites
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_draft, load_target, parser, plain_engine, setup, suites  # noqa: E402
+from common.prompts import reply_blocks  # noqa: E402
 
 
 class Anchor:

@@ -22,12 +22,17 @@ Prints one markdown table.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import time
 from difflib import SequenceMatcher
 
 import torch
 
-from dominospec.bench import load_draft, load_target, parser, setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its `common` package
+
+from common.cli import load_draft, load_target, parser, setup  # noqa: E402
 
 
 def first_turns(prepared: str, split: str, limit: int, tokenizer, chat_template_kwargs,

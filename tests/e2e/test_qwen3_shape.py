@@ -18,7 +18,7 @@ import torch
 import yaml
 from data_helpers import qwen3_tokenizer_dir  # noqa: F401  (a fixture: the tokenizer, or a skip saying how to fetch it)
 
-from dominospec.bench import save_random_target, shape_config
+from common.random_models import save_random_target, shape_config
 from dominospec.config import load_params
 
 REPO = Path(__file__).resolve().parents[2]

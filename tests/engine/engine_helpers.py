@@ -157,7 +157,7 @@ def engine_params(**overrides):
     lookups, torch ops, dynamic caches) with `overrides` -> config.EngineParams."""
     from pathlib import Path
 
-    from dominospec.bench import plain_engine
+    from common.cli import plain_engine
     from dominospec.config import load_params
 
     return plain_engine(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine, **overrides)

@@ -122,7 +122,7 @@ def test_pool_ties_go_to_the_first_pool_position():
 def sampled_reference(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, ids, noise, temperature):
     """The model's rollout drawing each step by the race on `noise` (engine.draft_head._Draws, the
     sampled chain's torch path) -> (tokens [K], q [K, V], q_j(d_j) [K])."""
-    from dominospec.bench import head_model
+    from common.random_head import head_model
     from dominospec.engine.draft_head import _Draws
     from dominospec.engine.sampling import Sampling
 

@@ -15,7 +15,7 @@ import torch
 from kernel_helpers import DEVICE
 from test_head_rollout import make
 
-from dominospec.bench import head_model
+from common.random_head import head_model
 from dominospec.engine.domino_tree import best_nodes, grow_tree
 from dominospec.kernels.head_rollout import head_weights
 from dominospec.kernels.pool_select import pool_select_reference

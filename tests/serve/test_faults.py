@@ -14,7 +14,7 @@ import pytest
 from faulty_serve import GENERATION_FAULT, HANDLER_FAULT
 from serve_helpers import KEY_ENV, REPO, authorised_client, running_server
 
-from dominospec.bench import send
+from common.http_load import send
 
 LIMITS = dict(max_queue=8, max_body_bytes=65536, max_prompt_tokens=256, max_tokens_limit=64, default_max_tokens=8,
               api_key_env=KEY_ENV, num_threads=1)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from serve_helpers import KEY, KEY_ENV, authorised_client, running_server
 
-from dominospec.bench import run_load, send
+from common.http_load import run_load, send
 
 MAX_QUEUE = 4
 LIMITS = dict(max_queue=MAX_QUEUE, max_body_bytes=65536, max_prompt_tokens=256, max_tokens_limit=1000,
