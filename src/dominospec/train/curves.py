@@ -124,10 +124,22 @@ def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict
         "val_walk_acceptance_length_se": summary["walk"]["acceptance_length_se"],
         "val_walk_acceptance_length_base": summary["walk_base"]["acceptance_length"],
         "val_walk_acceptance_by_position": summary["walk"]["acceptance_by_position"],
+        **sampled_walk_metrics(summary),
         "val_walk_replies": summary["walk"]["replies"],
         "val_walk_rounds": summary["walk"]["rounds"],  # over each reply's first train.val_walk_tokens tokens
         "steps": steps,
         "train_minutes": round(minutes, 4),
+    }
+
+
+def sampled_walk_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The sampled val walk's τ (train.val_walk_temperature), head on (± SE) and off; {} without one."""
+    if "walk_sampled" not in summary:
+        return {}
+    return {
+        "val_walk_acceptance_length_sampled": summary["walk_sampled"]["acceptance_length"],
+        "val_walk_acceptance_length_sampled_se": summary["walk_sampled"]["acceptance_length_se"],
+        "val_walk_acceptance_length_base_sampled": summary.get("walk_base_sampled", summary["walk_sampled"])["acceptance_length"],
     }
 
 
