@@ -64,7 +64,7 @@ def engine_tau(engine: SpecEngine) -> tuple[float, float, float]:
     return tau, tau * float(r.std()) / float(r.mean()) / math.sqrt(RUNS), float(r.mean())  # delta method
 
 
-def walk(target, draft, reply: list[int], head: bool, sampling) -> WalkStats:
+def walk(target, draft, reply: list[int], head: bool, temperature) -> WalkStats:
     ids = torch.tensor(PROMPT + reply)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[len(PROMPT):] = True
@@ -72,7 +72,7 @@ def walk(target, draft, reply: list[int], head: bool, sampling) -> WalkStats:
         feats = target_hidden(target.model, ids[None], torch.ones(1, len(ids), dtype=torch.long), LAYER_IDS)[0].clone()
         logits = target.model(input_ids=ids[None]).logits[0]
     return walk_sequence(draft, target.embed_tokens, target.lm_head, ids, mask, feats, K, head=head,
-                         chunk=7, sampling=sampling, target_logits=logits)
+                         chunk=7, temperature=temperature, target_logits=logits)
 
 
 @pytest.mark.parametrize("head", [True, False])
@@ -82,7 +82,7 @@ def test_sampled_walk_equals_the_engines_mean_tau(head):
     engine = SpecEngine(target, draft, "domino" if head else "dflash", params=engine_params())
     tau, se, _ = engine_tau(engine)
     reply = engine.generate(PROMPT, NEW, SAMPLING, seed=10_000).token_ids  # any reply: p and q do not depend on it
-    predicted = walk(target, draft, reply, head, SAMPLING)
+    predicted = walk(target, draft, reply, head, SAMPLING.temperature)
     assert predicted.emitted == NEW - 1
     assert 1.3 < tau < K + 0.7, tau  # drafts accepted often, not always: the chain's structure matters
     assert abs(predicted.acceptance_length - tau) < 4 * se, (predicted.acceptance_length, tau, se)
@@ -95,7 +95,7 @@ def test_sampled_walk_equals_the_engines_mean_tau(head):
     real = W.acceptance_probability
     try:
         W.acceptance_probability = lambda p, q: (p * q).sum(-1)  # Σ p·q: two independent draws agreeing
-        wrong = walk(target, draft, reply, head, SAMPLING).acceptance_length
+        wrong = walk(target, draft, reply, head, SAMPLING.temperature).acceptance_length
     finally:
         W.acceptance_probability = real
     assert abs(wrong - tau) > 4 * se, ("sum p q", wrong, tau, se)

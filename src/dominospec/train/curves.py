@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning as L
 
@@ -30,6 +30,10 @@ class CurveRecorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._bank()
         self._since = None  # the clock stops: a checkpoint saved later (a SIGTERM in the final validation) adds nothing
+
+    def elapsed(self) -> float:
+        """Training wall seconds so far, earlier invocations included (up to their last checkpoint)."""
+        return self.train_seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
     def _bank(self) -> None:
         if self._since is not None:
@@ -57,10 +61,10 @@ class CurveRecorder(L.Callback):
         self.train_seconds = float(state_dict.get("train_seconds", 0.0))
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    """rows -> CSV at path (atomic), columns from the union of keys in first-seen order."""
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str] = ()) -> None:
+    """rows -> CSV at path (atomic), columns `columns` then the union of the rows' keys in first-seen order."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    columns: list[str] = []
+    columns = list(columns)
     for row in rows:
         columns += [k for k in row if k not in columns]
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -253,30 +253,28 @@ class DraftLitModule(L.LightningModule):
         (train/walk.py), K = B - 1 drafts per round as the engine verifies by default, head on and
         off, over the reply's first `train.val_walk_tokens` tokens (what evaluate decodes); sampled,
         the expected walk under rejection sampling at that T (the target's logits: one forward)."""
-        from dominospec.engine.sampling import Sampling
-
         K = self.draft.config.block_size - 1
-        samplings: dict[str, Any] = {"": None}
+        temperatures: dict[str, Optional[float]] = {"": None}  # walk-key suffix -> temperature
         logits = None
         if self.hp.val_walk_temperature is not None:
-            samplings["_sampled"] = Sampling(temperature=self.hp.val_walk_temperature)
+            temperatures["_sampled"] = self.hp.val_walk_temperature
             feats_now, logits = self.features_and_teacher(batch)
             feats = feats_now if feats is None else feats
         if feats is None:
             feats = self.features(batch)
         heads = (True, False) if self.draft.config.use_domino_head else (False,)
-        out = {f"{h}{s}": WalkStats() for h in ("head", "base") for s in samplings}
+        out = {f"{h}{s}": WalkStats() for h in ("head", "base") for s in temperatures}
         for b in range(batch["input_ids"].shape[0]):
             n = int(batch["lengths"][b])
             ids, mask = batch["input_ids"][b, :n].to(self.device), batch["loss_mask"][b, :n]
             for head in heads:
-                for suffix, sampling in samplings.items():
+                for suffix, temperature in temperatures.items():
                     stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head,
-                                          horizon=self.hp.val_walk_tokens, sampling=sampling,
+                                          horizon=self.hp.val_walk_tokens, temperature=temperature,
                                           target_logits=None if logits is None else logits[b, :n])
                     out[("head" if head else "base") + suffix].merge(stats)
         if not self.draft.config.use_domino_head:  # head off: the head's walk is the base's
-            for suffix in samplings:
+            for suffix in temperatures:
                 out["head" + suffix] = out["base" + suffix]
         return out
 

@@ -17,7 +17,7 @@ For one reply occupying positions s..e-1 of a sequence (loss_mask True there):
 
 τ = Σ emitted ÷ Σ rounds over all replies (pooled, docs/design.md §6).
 
-Sampled (`walk_sequence(..., sampling=Sampling(T))`): a round at anchor a drafts d_i ~ q_i and the
+Sampled (`walk_sequence(..., temperature=T)`): a round at anchor a drafts d_i ~ q_i and the
 target accepts it with probability min(1, p_i(d_i) / q_i(d_i)) (engine.accept), so draft i is
 accepted, given drafts < i were, with probability a_i = Σ_v min(p_i, q_i) (p_i: the target's warped
 distribution after x[..a+i-1], q_i: the draft's, slot i - 1 of the block). Read along the reply (the
@@ -152,12 +152,13 @@ def walk_reply_sampled(acceptance: dict[int, torch.Tensor], start: int, end: int
 @torch.no_grad()
 def acceptance_probabilities(
     draft, embed_tokens, lm_head, input_ids: torch.Tensor, spans: list[tuple[int, int]], target_features: torch.Tensor,
-    target_logits: torch.Tensor, num_draft: int, sampling, head: bool = True, chunk: int = 64,
+    target_logits: torch.Tensor, num_draft: int, temperature: float, head: bool = True, chunk: int = 64,
 ) -> dict[int, torch.Tensor]:
     """input_ids [T], reply spans, target_features [T, n*H], target_logits [T, V] (the target's
-    next-token logits after each position), `sampling` (engine.sampling.Sampling, T > 0) -> {anchor
-    a -> a_i [num_draft]}: a_i = Σ_v min(p_i, q_i), p_i = sampling.probs(target_logits[a + i - 1]),
-    q_i = sampling.probs(the draft's logits at slot i - 1), i = 1..num_draft (0 past the sequence)."""
+    next-token logits after each position), temperature T > 0 -> {anchor a -> a_i [num_draft]}:
+    a_i = Σ_v min(p_i, q_i), p_i = softmax(target_logits[a + i - 1] / T), q_i = softmax(the draft's
+    logits at slot i - 1 / T), i = 1..num_draft (0 past the sequence): the engine's temperature
+    warp (engine.sampling.Sampling without top-k / top-p) of both."""
     T = input_ids.shape[0]
     anchors = torch.cat([torch.arange(s, e - 1) for s, e in spans])
     cfg = draft.config
@@ -169,8 +170,8 @@ def acceptance_probabilities(
         logits = (final if (head and final is not None) else base)[0, :, :num_draft]  # [N, K, V]
         positions = blocks.positions[0, :, :num_draft]  # [N, K]: slot j predicts x[a+1+j] from the target's row a + j
         N, K, V = logits.shape
-        q = sampling.probs(logits.reshape(N * K, V))
-        p = sampling.probs(target_logits[positions.clamp(max=T - 1).reshape(-1)])
+        q = torch.softmax(logits.reshape(N * K, V).float() / temperature, -1)
+        p = torch.softmax(target_logits[positions.clamp(max=T - 1).reshape(-1)].float() / temperature, -1)
         a = acceptance_probability(p, q).view(N, K) * (positions < T - 1).float()
         for anchor, row in zip(part.tolist(), a.cpu()):
             out[anchor] = row
@@ -220,23 +221,23 @@ def walked_spans(loss_mask: torch.Tensor, first_reply_only: bool = True,
 def walk_sequence(
     draft, embed_tokens, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_features: torch.Tensor,
     num_draft: int, head: bool = True, chunk: int = 64, first_reply_only: bool = True, horizon: Optional[int] = None,
-    sampling=None, target_logits: Optional[torch.Tensor] = None,
+    temperature: Optional[float] = None, target_logits: Optional[torch.Tensor] = None,
 ) -> WalkStats:
     """One sequence: input_ids / loss_mask [T], target_features [T, n*H] -> the engine walk over
     its replies (`walked_spans`), drafting with the head (`head`) or from the base logits alone.
 
-    Greedy (`sampling` None or greedy): the draft is scored at every anchor a reply may start a round
-    from (`accepted_drafts`), then each reply is walked over those scores. Sampled (`sampling` at
+    Greedy (`temperature` None or 0): the draft is scored at every anchor a reply may start a round
+    from (`accepted_drafts`), then each reply is walked over those scores. Sampled (`temperature`
     T > 0, `target_logits` [T, V] given): the expected walk over `acceptance_probabilities`."""
     spans = walked_spans(loss_mask, first_reply_only, horizon)
     total = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
     if not spans:
         return total
-    if sampling is not None and not sampling.greedy:
+    if temperature:
         if target_logits is None:
             raise ValueError("a sampled walk needs the target's logits over the sequence")
         acceptance = acceptance_probabilities(draft, embed_tokens, lm_head, input_ids, spans, target_features,
-                                              target_logits, num_draft, sampling, head, chunk)
+                                              target_logits, num_draft, temperature, head, chunk)
         for s, e in spans:
             total.merge(walk_reply_sampled(acceptance, s, e, num_draft))
         return total
