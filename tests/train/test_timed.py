@@ -25,7 +25,7 @@ from dominospec.config import load_params  # noqa: E402
 from dominospec.train.stage import train  # noqa: E402
 from dominospec.train.timed import WALK_COLUMNS, WalkClock  # noqa: E402
 
-STEPS, NEVER = 80, 10_000
+STEPS, NEVER = 150, 10_000
 
 
 def mlflow_metric(run: Path, key: str) -> list[tuple[int, float]]:
@@ -40,14 +40,14 @@ def test_a_killed_run_resumes_from_its_timed_checkpoint_as_an_uninterrupted_run(
     train(load_params(run_params(tiny_cache, full, **common)))
 
     run = tmp_path / "killed"
-    params = run_params(tiny_cache, run, checkpoint_minutes=0.002, **common)  # last.ckpt every 0.12 s
+    params = run_params(tiny_cache, run, checkpoint_minutes=0.005, **common)  # last.ckpt every 0.3 s
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(tmp_path / "killed.log", "w") as sink:
         proc = subprocess.Popen([sys.executable, str(REPO / "pipeline" / "train.py"), "--params", str(params)],
                                 cwd=REPO, env=env, stdout=sink, stderr=sink)
     last = run / "checkpoints" / "last.ckpt"
     deadline = time.time() + 120
-    while not (last.exists() and logged_step(run) >= ckpt_step(last) + 3):  # killed past a timed save
+    while not (last.exists() and logged_step(run) >= 12):  # killed after a timed save, mid-run
         assert proc.poll() is None and time.time() < deadline, "training ended before the kill"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
