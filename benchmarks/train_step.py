@@ -25,7 +25,8 @@ target's forward and the draft's context over more blocks):
 
     python benchmarks/train_step.py --variants full/o/b8/a32,full/o/b2/a128,tv/o/b2/a128
  A block is one anchor's B slots; blocks/s is what training
-throughput means here (batch_size x num_anchors blocks per step).
+throughput means here (up to batch_size x num_anchors blocks per step: the blocks counted are
+those trained, a sequence with fewer valid anchors giving fewer).
 
     python benchmarks/train_step.py [--params params.yaml] [--steps 8] [--threads 2]
         [--conversations 192] [--variants reference,full,data,sampled/b16]
@@ -63,6 +64,7 @@ def train_sequences(params, limit: int) -> list[dict[str, torch.Tensor]]:
 class Timer:
     def __init__(self):
         self.ms = {p: 0.0 for p in PHASES}
+        self.blocks = 0  # blocks trained (a sequence shorter than its anchors gives fewer)
 
     @contextmanager
     def phase(self, name: str):
@@ -181,6 +183,7 @@ def step(module, optimizer, batch, timer: Timer, generator, reference: bool = Fa
         torch.nn.utils.clip_grad_norm_(draft.parameters(), module.hp.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    timer.blocks += int(blocks.block_keep.sum())
     return loss.item()
 
 
@@ -236,7 +239,7 @@ def main() -> None:
                 "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE",
                 "kd": "kd, the target's distribution (distill_rows, mix 0)",
                 "tv": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_rows"}[objective]
-        blocks = bs * anchors
+        blocks = timers[v].blocks / args.steps  # a step's real blocks, <= bs x anchors
         print(f"| {name} | {'online' if online else 'random'} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
               + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
 
