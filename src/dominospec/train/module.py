@@ -234,7 +234,11 @@ class DraftLitModule(L.LightningModule):
         self.walks = empty_walks()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        feats = self.features(batch)
+        logits = None
+        if self.hp.val_walk_temperature is not None and "target_hidden" not in batch:  # one forward for both
+            feats, logits = self.features_and_teacher(batch)
+        else:
+            feats = self.features(batch)
         blocks = _to(self._blocks(batch, self._generator(10**9 + batch_idx)), self.device)  # fixed anchors
         base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
         _, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights, 0.0,
@@ -243,23 +247,25 @@ class DraftLitModule(L.LightningModule):
         self.val_head.update(final if final is not None else base, blocks.labels, blocks.label_mask)
         self.val_loss_sum += float(loss_final)
         self.val_batches += 1
-        walks = self.walk_batch(batch, feats)
+        walks = self.walk_batch(batch, feats, logits)
         for key, stats in walks.items():
             self.walks[key].merge(stats)
 
-    def walk_batch(self, batch: dict[str, torch.Tensor], feats: Optional[torch.Tensor] = None) -> dict[str, WalkStats]:
+    def walk_batch(self, batch: dict[str, torch.Tensor], feats: Optional[torch.Tensor] = None,
+                   logits: Optional[torch.Tensor] = None) -> dict[str, WalkStats]:
         """Engine-faithful τ of one val batch -> {"head", "base", and with train.val_walk_temperature
         "head_sampled", "base_sampled"}: each sequence's first reply walked round by round
         (train/walk.py), K = B - 1 drafts per round as the engine verifies by default, head on and
         off, over the reply's first `train.val_walk_tokens` tokens (what evaluate decodes); sampled,
-        the expected walk under rejection sampling at that T (the target's logits: one forward)."""
+        the expected walk under rejection sampling at that T. `feats` [B, T, n*H] and the target's
+        `logits` [B, T, V] are computed here where not given (one target forward)."""
         K = self.draft.config.block_size - 1
         temperatures: dict[str, Optional[float]] = {"": None}  # walk-key suffix -> temperature
-        logits = None
         if self.hp.val_walk_temperature is not None:
             temperatures["_sampled"] = self.hp.val_walk_temperature
-            feats_now, logits = self.features_and_teacher(batch)
-            feats = feats_now if feats is None else feats
+            if logits is None:
+                feats_now, logits = self.features_and_teacher(batch)
+                feats = feats_now if feats is None else feats
         if feats is None:
             feats = self.features(batch)
         heads = (True, False) if self.draft.config.use_domino_head else (False,)
