@@ -94,3 +94,17 @@ def test_marks_passed_are_walked_once():
     assert clock.pending(299) == [] and clock.pending(601) == [5, 10]
     clock.rows = [{"minutes": 5}]
     assert clock.pending(1300) == [10, 20]
+
+
+def test_the_clock_keys_do_not_restart_a_run():
+    """A slice may change when it saves and what it logs: the run's fingerprint (what resumes) stays;
+    a change of the loss does not."""
+    import dataclasses
+
+    from dominospec.train.stage import run_fingerprint
+
+    params = load_params(REPO / "params.yaml")
+    clock = dataclasses.replace(params.train, checkpoint_minutes=2.0, walk_minutes=[5.0, 10.0], val_walk_temperature=0.7)
+    loss = dataclasses.replace(params.train, loss="tv")
+    assert run_fingerprint(dataclasses.replace(params, train=clock), "d") == run_fingerprint(params, "d")
+    assert run_fingerprint(dataclasses.replace(params, train=loss), "d") != run_fingerprint(params, "d")
