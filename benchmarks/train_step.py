@@ -241,7 +241,7 @@ def main() -> None:
                 "tv": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_rows"}[objective]
         blocks = timers[v].blocks / args.steps  # a step's real blocks, <= bs x anchors
         print(f"| {name} | {'online' if online else 'random'} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
-              + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
+              + f" | {total:.0f} | {blocks / total * 1e3:.2f} |")
 
 
 if __name__ == "__main__":
