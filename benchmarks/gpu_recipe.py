@@ -27,7 +27,10 @@ prepare's source, and the --set overrides), then runs each stage whose metrics f
 yet. A stage killed part-way resumes by its own means: regenerate from its journal, train from its
 last checkpoint. Each stage's wall time and peak GPU memory (allocated and reserved by torch's
 allocator: the stages run in this process) are appended to `metrics/recipe_times.json`; the last
-line printed is a summary table. MLflow logs to a sqlite store under --work; where its dependencies
+line printed is a summary table. Training in slices needs nothing more: with the preset's
+`train.checkpoint_minutes` a slice killed outright loses at most that much training, and a slice
+ended by `timeout` (SIGTERM) none (train/preempt.py); the val walk's τ at `train.walk_minutes`
+(greedy and sampled) is in metrics/train_walk.json and the summary. MLflow logs to a sqlite store under --work; where its dependencies
 (sqlalchemy, cryptography) are missing, `--set mlflow.tracking_uri=file:///ABS/mlruns` with
 MLFLOW_ALLOW_FILE_STORE=true logs to a file store instead. A GPU image without `datasets` and
 `mlflow` takes them as wheels: `pip download --only-binary=:all: --python-version 3.12 --platform
@@ -200,6 +203,11 @@ def summary(params: Any, times: list[dict[str, Any]]) -> None:
             doc = json.loads((metrics / name).read_text())
             keep = {k: v for k, v in doc.items() if not isinstance(v, (dict, list))}
             print(name, json.dumps(keep))
+    if (metrics / "train_walk.json").exists():  # the val walk at train.walk_minutes (train/timed.py)
+        print("| minutes | step | sequences | walk τ greedy | walk τ sampled |\n|---|---|---|---|---|")
+        for row in json.loads((metrics / "train_walk.json").read_text())["rows"]:
+            print(f"| {row['train_minutes']} | {row['step']} | {row['sequences']} | {row['acceptance_length']} "
+                  f"| {row['acceptance_length_sampled']} |")
     if (metrics / "eval.json").exists():
         doc = json.loads((metrics / "eval.json").read_text())
         print("| suite | mode | τ ± SE | tokens/s | speed-up | exact |\n|---|---|---|---|---|---|")

@@ -12,12 +12,21 @@ all see the same machine load:
     full       full vocabulary, chunked_cross_entropy (train/chunked_ce.py): the same losses
     data       `train.loss_vocab: data`, chunked (a different objective: see docs/journal/2026-12-01-a-cheaper-cpu-training-step.md)
     sampled    `train.loss_vocab: sampled`: the step's labels + train.loss_negatives uniform negatives
+    kd, tv     `train.loss: kd` / `tv` (train/distill.py, train.tv_mix, train.tv_temperature): the target's
+               whole distribution, full vocabulary; they need /o
 
-A variant may carry `/bN` (N sequences a step instead of train.batch_size), `/aN` (N anchors a
+A variant may carry `/o` (online: the target's forward runs in the step, timed as its own phase,
+and supervises the blocks with its own tokens, `train.labels: target`, as a GPU preset trains;
+else random features of the real shape and the data's tokens), `/bN` (N sequences a step instead of train.batch_size), `/aN` (N anchors a
 sequence instead of train.num_anchors), `/lN` (N draft layers) and `/g` (batches grouped by length,
 `train.group_by_length`; else random batches, as the stage draws them), e.g. `sampled/b8/a64/l2/g`.
+A recipe's step against another's, in one run (the same blocks a step, the anchors amortising the
+target's forward and the draft's context over more blocks):
+
+    python benchmarks/train_step.py --variants full/o/b8/a32,full/o/b2/a128,tv/o/b2/a128
  A block is one anchor's B slots; blocks/s is what training
-throughput means here (batch_size x num_anchors blocks per step).
+throughput means here (up to batch_size x num_anchors blocks per step: the blocks counted are
+those trained, a sequence with fewer valid anchors giving fewer).
 
     python benchmarks/train_step.py [--params params.yaml] [--steps 8] [--threads 2]
         [--conversations 192] [--variants reference,full,data,sampled/b16]
@@ -38,7 +47,8 @@ import torch
 from common.cli import load_target, new_draft, parser, setup
 from common.record import device_name
 
-PHASES = ("blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
+PHASES = ("target", "blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
+OBJECTIVES = ("reference", "full", "data", "sampled", "kd", "tv")
 
 
 def train_sequences(params, limit: int) -> list[dict[str, torch.Tensor]]:
@@ -55,6 +65,7 @@ def train_sequences(params, limit: int) -> list[dict[str, torch.Tensor]]:
 class Timer:
     def __init__(self):
         self.ms = {p: 0.0 for p in PHASES}
+        self.blocks = 0  # blocks trained (a sequence shorter than its anchors gives fewer)
 
     @contextmanager
     def phase(self, name: str):
@@ -63,32 +74,37 @@ class Timer:
         self.ms[name] += (time.perf_counter() - start) * 1e3
 
 
-def parse_variant(name: str, params) -> tuple[str, int, int, int, bool]:
-    """`objective[/bN][/aN][/lN][/g]` -> (objective, sequences a step, anchors a sequence, draft layers, grouped)."""
+def parse_variant(name: str, params) -> tuple[str, int, int, int, bool, bool]:
+    """`objective[/o][/bN][/aN][/lN][/g]` -> (objective, sequences a step, anchors a sequence, draft
+    layers, grouped, online)."""
     objective, *opts = name.split("/")
     shape = {"b": params.train.batch_size, "a": params.train.num_anchors, "l": params.draft.num_layers}
-    grouped = "g" in opts
-    for opt in (o for o in opts if o != "g"):
+    grouped, online = "g" in opts, "o" in opts
+    for opt in (o for o in opts if o not in ("g", "o")):
         if opt[:1] not in shape or not opt[1:].isdigit():
-            raise SystemExit(f"error: variant {name!r}: options are /bN, /aN, /lN and /g")
+            raise SystemExit(f"error: variant {name!r}: options are /o, /bN, /aN, /lN and /g")
         shape[opt[0]] = int(opt[1:])
-    if objective not in ("reference", "full", "data", "sampled"):
-        raise SystemExit(f"error: variant {name!r}: objective must be reference, full, data or sampled")
-    return objective, shape["b"], shape["a"], shape["l"], grouped
+    if objective not in OBJECTIVES:
+        raise SystemExit(f"error: variant {name!r}: objective must be one of {', '.join(OBJECTIVES)}")
+    if objective in ("kd", "tv") and not online:
+        raise SystemExit(f"error: variant {name!r}: {objective} distils the target's logits: add /o")
+    return objective, shape["b"], shape["a"], shape["l"], grouped, online
 
 
-def build(params, target, layer_ids, vocab, objective="full", layers=None, anchors=None):
-    """A fresh default draft + DraftLitModule (+ AdamW) on `target`; vocab None = full softmax."""
+def build(params, target, layer_ids, vocab, objective="full", layers=None, anchors=None, online=False):
+    """A fresh default draft + DraftLitModule (+ AdamW) on `target`; vocab None = full softmax;
+    `online`: the target computes features and labels in the step."""
     import dataclasses
 
     from dominospec.train.module import DraftLitModule
 
     draft_p = dataclasses.replace(params.draft, num_layers=layers or params.draft.num_layers)
     train_p = dataclasses.replace(params.train, loss_vocab="sampled" if objective == "sampled" else "full",
-                                  num_anchors=anchors or params.train.num_anchors)
+                                  num_anchors=anchors or params.train.num_anchors, labels="target" if online else "data",
+                                  loss=objective if objective in ("kd", "tv") else "ce")
     draft = new_draft(params, target, draft_p)
     module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, train_p, layer_ids=layer_ids,
-                            loss_vocab=vocab)
+                            loss_vocab=vocab, online_target=target.model if online else None)
     return module, torch.optim.AdamW(draft.parameters(), lr=params.train.lr)
 
 
@@ -105,13 +121,27 @@ def reference_loss(base, final, labels, mask, weights, lam):
 
 def step(module, optimizer, batch, timer: Timer, generator, reference: bool = False) -> float:
     """One optimiser step of the train stage's objective, phase by phase -> loss."""
+    from functools import partial
+
+    from dominospec.train.distill import block_teacher_index, weighted_distill
     from dominospec.train.objective import domino_loss, make_blocks
     from dominospec.train.sampled_vocab import sample_vocabulary
 
-    draft, cfg = module.draft, module.draft.config
+    draft, cfg, hp = module.draft, module.draft.config, module.hp
+    target_logits = None
+    with timer.phase("target"):  # online: the target's forward, as the stage's training_step runs it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if hp.loss in ("kd", "tv"):
+                batch["target_hidden"], target_logits = module.features_and_teacher(batch)
+                batch["target_next"] = target_logits.argmax(-1)
+            elif hp.labels == "target":
+                batch["target_hidden"], batch["target_next"] = module.features_and_next(batch)
     with timer.phase("blocks"):
-        blocks = make_blocks(batch["input_ids"], batch["loss_mask"], module.hp.num_anchors, cfg.block_size,
-                             cfg.mask_token_id, generator)
+        if hp.labels == "target":
+            blocks = module._train_blocks(batch, batch["target_next"])
+        else:
+            blocks = make_blocks(batch["input_ids"], batch["loss_mask"], module.hp.num_anchors, cfg.block_size,
+                                 cfg.mask_token_id, generator)
         sampled = None
         if module.hp.loss_vocab == "sampled":
             sampled = sample_vocabulary(blocks.labels, blocks.label_mask, module.lm_head_weight.shape[0],
@@ -141,13 +171,20 @@ def step(module, optimizer, batch, timer: Timer, generator, reference: bool = Fa
         if reference:
             loss = reference_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
         else:
-            loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
+            distill = None
+            if target_logits is not None:
+                distill = partial(weighted_distill, target_logits=target_logits,
+                                  index=block_teacher_index(blocks.positions, target_logits.shape[1]), label_mask=mask,
+                                  weights=module.slot_weights, temperature=hp.tv_temperature,
+                                  mix=0.0 if hp.loss == "kd" else hp.tv_mix)
+            loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5, distill=distill)
     with timer.phase("backward"):
         loss.backward()
     with timer.phase("optimizer"):
         torch.nn.utils.clip_grad_norm_(draft.parameters(), module.hp.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    timer.blocks += int(blocks.block_keep.sum())
     return loss.item()
 
 
@@ -168,12 +205,12 @@ def main() -> None:
     sequences, source = train_sequences(params, args.conversations or params.cache.max_train_conversations)
     vocab = loss_vocabulary(sequences)
     variants = args.variants.split(",")
-    shapes = {v: parse_variant(v, params) for v in variants}  # objective, batch, anchors, layers, grouped
-    setups = {v: build(params, target, layer_ids, vocab if o == "data" else None, o, layers, anchors)
-              for v, (o, _, anchors, layers, _) in shapes.items()}
+    shapes = {v: parse_variant(v, params) for v in variants}  # objective, batch, anchors, layers, grouped, online
+    setups = {v: build(params, target, layer_ids, vocab if o == "data" else None, o, layers, anchors, online)
+              for v, (o, _, anchors, layers, _, online) in shapes.items()}
     lengths = [len(s["input_ids"]) for s in sequences]
     batches = {v: list(StepBatchSampler(len(sequences), bs, 0, 0, args.steps + 1, lengths=lengths if grouped else None))
-               for v, (_, bs, _, _, grouped) in shapes.items()}
+               for v, (_, bs, _, _, grouped, _) in shapes.items()}
     timers = {v: Timer() for v in variants}
     feature_dim = len(layer_ids) * target.hidden_size
     for i in range(args.steps + 1):  # step 0 warms up (allocator, oneDNN primitives)
@@ -181,7 +218,8 @@ def main() -> None:
             objective = shapes[v][0]
             items = [sequences[j] for j in batches[v][i]]
             batch = collate(items)
-            batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
+            if not shapes[v][5]:  # offline: random features of the real shape
+                batch["target_hidden"] = torch.randn(*batch["input_ids"].shape, feature_dim).to(torch.bfloat16)
             timer = timers[v] if i else Timer()
             module, optimizer = setups[v]
             step(module, optimizer, batch, timer, torch.Generator().manual_seed(i), reference=objective == "reference")
@@ -189,20 +227,22 @@ def main() -> None:
     print(f"{datetime.date.today()} {device_name(False)} torch {torch.__version__} "
           f"threads {args.threads}; sequences from {source}; V {target.identity.vocab_size}, V' {vocab.numel()}, "
           f"{params.train.loss_negatives} sampled negatives; B={params.draft.block_size}, {args.steps} steps")
-    print("\n| objective | sequences | anchors | layers | batches | " + " | ".join(f"{p} ms" for p in PHASES)
+    print("\n| objective | features | sequences | anchors | layers | batches | " + " | ".join(f"{p} ms" for p in PHASES)
           + " | step ms | blocks/s |")
-    print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 2))
+    print("|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 2))
     for v in variants:
-        objective, bs, anchors, layers, grouped = shapes[v]
+        objective, bs, anchors, layers, grouped, online = shapes[v]
         ms = {p: timers[v].ms[p] / args.steps for p in PHASES}
         total = sum(ms.values())
         name = {"reference": f"full vocabulary ({target.identity.vocab_size}), fp32 F.cross_entropy",
                 "full": f"full vocabulary ({target.identity.vocab_size}), chunked CE",
                 "data": f"loss vocabulary ({vocab.numel()}), chunked CE",
-                "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE"}[objective]
-        blocks = bs * anchors
-        print(f"| {name} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
-              + f" | {total:.0f} | {blocks / total * 1e3:.0f} |")
+                "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE",
+                "kd": "kd, the target's distribution (distill_rows, mix 0)",
+                "tv": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_rows"}[objective]
+        blocks = timers[v].blocks / args.steps  # a step's real blocks, <= bs x anchors
+        print(f"| {name} | {'online' if online else 'random'} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
+              + f" | {total:.0f} | {blocks / total * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

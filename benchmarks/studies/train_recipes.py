@@ -16,6 +16,14 @@ Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU de
   init-target-lr-2e-3 both
   gpu-scale           8 sequences x 128 anchors over 6,000 conversations, as many steps as
                       --long-seconds allows (measured on a 40-step probe first)
+  gamma-1, gamma-4    cpu-default with the position weights w_k = exp(-k / gamma) at gamma 1 / 4
+                      (train.loss_gamma; the default's is params.yaml's)
+  kd, tv              cpu-default with train.loss kd / tv (the acceptance loss mixed with kd,
+                      train.tv_mix, train.tv_temperature)
+
+Every row reports the val walk's τ greedy and sampled at --temperature (train.val_walk_temperature):
+the loss and the weighting are chosen by both (docs/training.md). `--steps N` caps every recipe's
+steps (a short comparison).
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "init-target": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, init=True),
     "init-target-lr-2e-3": dict(max_steps=600, batch_size=4, num_anchors=32, lr=2e-3, limit=250, init=True),
     "gpu-scale": dict(max_steps=None, batch_size=8, num_anchors=128, lr=6e-4, limit=6000),
+    "gamma-1": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, train=dict(loss_gamma=1.0)),
+    "gamma-4": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, train=dict(loss_gamma=4.0)),
+    "kd": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, train=dict(loss="kd", loss_vocab="full")),
+    "tv": dict(max_steps=600, batch_size=4, num_anchors=32, lr=6e-4, limit=250, train=dict(loss="tv", loss_vocab="full")),
 }
 
 
@@ -63,15 +75,17 @@ def init_from_target(setup: Any) -> None:
         draft.hidden_norm.weight.copy_(source.input_layernorm.weight)
 
 
-def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str) -> tuple[dict[str, Any], Any, float]:
-    """-> (validation summary, trained setup, seconds of fit)."""
+def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str,
+               temperature: float = 0.7) -> tuple[dict[str, Any], Any, float]:
+    """-> (validation summary, trained setup, seconds of fit); the val walk also sampled at `temperature`."""
     import lightning as L
 
     from dominospec.train.build import build_training
 
     train = dataclasses.replace(params.train, features="online", max_steps=steps, batch_size=recipe["batch_size"],
                                 num_anchors=recipe["num_anchors"], lr=recipe["lr"], val_every_steps=steps,
-                                checkpoint_every_steps=10**9)
+                                checkpoint_every_steps=10**9, val_walk_temperature=temperature,
+                                **recipe.get("train", {}))
     run_params = dataclasses.replace(params, train=train)
     L.seed_everything(train.seed, workers=True)
     setup = build_training(run_params, train_limit=recipe["limit"])
@@ -92,6 +106,8 @@ def main() -> None:
     p.add_argument("--long-seconds", type=float, default=300.0, help="time budget of a recipe without max_steps")
     p.add_argument("--save-draft", help="save the last recipe's draft here (bf16, shards <= 15 MB)")
     p.add_argument("--accelerator", default="auto")
+    p.add_argument("--temperature", type=float, default=0.7, help="the sampled val walk's T")
+    p.add_argument("--steps", type=int, help="cap every recipe's steps (a short comparison)")
     args = p.parse_args()
     torch.set_float32_matmul_precision("high")
     params = cli.setup(args)
@@ -100,23 +116,30 @@ def main() -> None:
         recipe = RECIPES[name]
         steps = recipe["max_steps"]
         if steps is None:  # size the run to the budget from a short probe
-            _, _, probe_s = train_once(params, 40, recipe, args.accelerator)
+            _, _, probe_s = train_once(params, 40, recipe, args.accelerator, args.temperature)
             steps = int(min(20_000, args.long_seconds / (probe_s / 40)))
-        summary, setup, seconds = train_once(params, steps, recipe, args.accelerator)
+        steps = min(steps, args.steps or steps)
+        summary, setup, seconds = train_once(params, steps, recipe, args.accelerator, args.temperature)
+        sampled = summary.get("walk_sampled", {})
         row = dict(recipe=name, steps=steps, seqs_x_anchors=f"{recipe['batch_size']}x{recipe['num_anchors']}",
                    lr=recipe["lr"], conversations=recipe["limit"], fit_s=round(seconds, 1),
                    tau=round(summary["acceptance_length"], 3), tau_head_off=round(summary["acceptance_length_base"], 3),
                    accuracy_pos1_4=[round(a, 3) for a in summary["accuracy_by_position"][:4]],
-                   val_loss=round(summary["loss"], 3))
+                   val_loss=round(summary["loss"], 3), walk=round(summary["walk"]["acceptance_length"], 3),
+                   walk_se=round(summary["walk"]["acceptance_length_se"], 3),
+                   walk_sampled=round(sampled.get("acceptance_length", float("nan")), 3),
+                   walk_sampled_se=round(sampled.get("acceptance_length_se", float("nan")), 3))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.save_draft:
         setup.module.draft.to(torch.bfloat16).save_pretrained(args.save_draft, max_shard_size="15MB")
-    print("| recipe | steps | seqs x anchors | lr | conversations | fit s | val τ | val τ head off | accuracy pos 1-4 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| recipe | steps | seqs x anchors | lr | conversations | fit s | val τ | val τ head off | accuracy pos 1-4 "
+          f"| walk τ greedy | walk τ sampled T {args.temperature} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['recipe']} | {r['steps']} | {r['seqs_x_anchors']} | {r['lr']} | {r['conversations']} | "
-              f"{r['fit_s']} | {r['tau']} | {r['tau_head_off']} | {r['accuracy_pos1_4']} |")
+              f"{r['fit_s']} | {r['tau']} | {r['tau_head_off']} | {r['accuracy_pos1_4']} "
+              f"| {r['walk']} ± {r['walk_se']} | {r['walk_sampled']} ± {r['walk_sampled_se']} |")
 
 
 if __name__ == "__main__":

@@ -158,7 +158,9 @@ class TrainParams:
     grad_clip: float
     loss_gamma: float  # position weights w_k = exp(-k / gamma)
     lambda_decay_fraction: float  # lambda: 1 -> 0 linearly over this fraction of the steps
-    loss: Literal["ce", "kd"]  # ce: hard labels; kd: the target's own next-token distribution (online only)
+    loss: Literal["ce", "kd", "tv"]  # ce: hard labels; kd: the target's own next-token distribution; tv: acceptance (online only)
+    tv_mix: float  # loss tv: tv_mix * (1 - sum min(p, q)) + (1 - tv_mix) * kd, per slot (train/distill.py)
+    tv_temperature: float  # loss tv: the T of p and q in the acceptance term (the sampling T served)
     labels: Literal["data", "target"]  # data: the data's tokens on assistant turns; target: the target's greedy token at every position
     init_from_target: bool  # draft layers start as copies of the target layers after the deepest feature
     loss_vocab: Literal["full", "data", "sampled"]  # data: only tokens the train split supervises; sampled: the step's labels + loss_negatives random tokens (log-corrected)
@@ -167,7 +169,10 @@ class TrainParams:
     val_every_steps: int
     val_max_sequences: int
     val_walk_tokens: Optional[int]  # the val walk covers each reply's first n tokens (evaluate decodes evaluate.max_new_tokens); null = whole replies
+    val_walk_temperature: Optional[float]  # the sampled val walk's T (expected τ under rejection sampling at T); null = greedy walk only
     checkpoint_every_steps: int
+    checkpoint_minutes: Optional[float]  # also save last.ckpt every this many minutes of training wall time; null = off
+    walk_minutes: list[float]  # the val walk (greedy and sampled) at these minutes of training wall time -> MLflow, metrics/train_walk.json
     log_every_steps: int
     seed: int
     precision: str  # Lightning precision: 32-true | bf16-mixed | bf16-true

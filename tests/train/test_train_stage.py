@@ -166,11 +166,13 @@ def test_target_labels_refuse_the_loss_vocabulary(tiny_cache, tmp_path):
     dict(loss_vocab="full"),
     dict(loss_vocab="sampled", loss_negatives=16),
     dict(group_by_length=True, features="online", labels="target"),
+    dict(features="online", loss="tv", loss_vocab="full", val_walk_temperature=0.7),  # the acceptance loss
 ])
 def test_resume_from_checkpoint_reproduces_the_next_steps(tiny_cache, tmp_path, softmax):
     """A resumed run's steps equal the uninterrupted run's, also with a sampled softmax (16 of the
     tiny vocabulary's 300 tokens a step: the set is drawn from a generator seeded by step), and with
-    batches grouped by length from online features and the target's labels."""
+    batches grouped by length from online features and the target's labels, and with the acceptance
+    loss (train.loss: tv) on the online target's logits."""
     from dominospec.train.stage import train
 
     full = tmp_path / "full"

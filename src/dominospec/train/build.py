@@ -106,14 +106,25 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     layer_ids, mask_token_id, fingerprint = _feature_source(params, target)
     config = draft_config(params.draft, target, layer_ids, mask_token_id)
     draft = DFlashDraftModel(config)
-    if params.train.loss == "kd" and params.train.features != "online":
-        raise UserError("train.loss: kd distils the target's logits, which only online features compute: "
+    hp = params.train
+    if hp.loss in ("kd", "tv") and hp.features != "online":
+        raise UserError(f"train.loss: {hp.loss} distils the target's logits, which only online features compute: "
                         "set train.features: online (or train.loss: ce)")
+    if not 0.0 <= hp.tv_mix <= 1.0 or hp.tv_temperature <= 0:
+        raise UserError(f"train.tv_mix must lie in [0, 1] and train.tv_temperature be > 0, got {hp.tv_mix} and "
+                        f"{hp.tv_temperature}")
+    if hp.val_walk_temperature is not None and hp.val_walk_temperature <= 0:
+        raise UserError(f"train.val_walk_temperature must be > 0 or null (the greedy walk always runs), "
+                        f"got {hp.val_walk_temperature}")
+    if hp.checkpoint_minutes is not None and hp.checkpoint_minutes <= 0:
+        raise UserError(f"train.checkpoint_minutes must be > 0 or null, got {hp.checkpoint_minutes}")
+    if any(m <= 0 for m in hp.walk_minutes) or list(hp.walk_minutes) != sorted(set(hp.walk_minutes)):
+        raise UserError(f"train.walk_minutes must be increasing minutes > 0, got {list(hp.walk_minutes)}")
     if params.train.labels == "target" and params.train.loss_vocab == "data":
         raise UserError("train.loss_vocab: data spans the data's own assistant tokens, but train.labels: target "
                         "supervises the target's greedy tokens: set train.loss_vocab: full (or train.labels: data)")
-    if params.train.loss_vocab == "sampled" and params.train.loss == "kd":
-        raise UserError("train.loss_vocab: sampled estimates the softmax of hard labels, but train.loss: kd distils "
+    if params.train.loss_vocab == "sampled" and params.train.loss in ("kd", "tv"):
+        raise UserError(f"train.loss_vocab: sampled estimates the softmax of hard labels, but train.loss: {hp.loss} distils "
                         "the target's whole distribution: set train.loss: ce (or train.loss_vocab: full)")
     if params.train.val_walk_tokens is not None and params.train.val_walk_tokens < 2:
         raise UserError(f"train.val_walk_tokens must be >= 2 (a round needs a reply of two tokens) or null, "
@@ -141,7 +152,8 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
         embed_weight=target.embed_tokens.weight,
         lm_head_weight=lm_head.weight,
         train=params.train,
-        online_target=target.model if params.train.features == "online" else None,
+        # online features, or a sampled val walk (the target's logits on val): the frozen target rides along
+        online_target=target.model if hp.features == "online" or hp.val_walk_temperature is not None else None,
         layer_ids=layer_ids,
         loss_vocab=loss_vocab(params, datamodule, draft),
     )

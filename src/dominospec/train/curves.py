@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning as L
 
@@ -30,6 +30,10 @@ class CurveRecorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._bank()
         self._since = None  # the clock stops: a checkpoint saved later (a SIGTERM in the final validation) adds nothing
+
+    def elapsed(self) -> float:
+        """Training wall seconds so far, earlier invocations included (up to their last checkpoint)."""
+        return self.train_seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
     def _bank(self) -> None:
         if self._since is not None:
@@ -57,10 +61,10 @@ class CurveRecorder(L.Callback):
         self.train_seconds = float(state_dict.get("train_seconds", 0.0))
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    """rows -> CSV at path (atomic), columns from the union of keys in first-seen order."""
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str] = ()) -> None:
+    """rows -> CSV at path (atomic), columns `columns` then the union of the rows' keys in first-seen order."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    columns: list[str] = []
+    columns = list(columns)
     for row in rows:
         columns += [k for k in row if k not in columns]
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -124,10 +128,22 @@ def summary_metrics(summary: dict[str, Any], steps: int, minutes: float) -> dict
         "val_walk_acceptance_length_se": summary["walk"]["acceptance_length_se"],
         "val_walk_acceptance_length_base": summary["walk_base"]["acceptance_length"],
         "val_walk_acceptance_by_position": summary["walk"]["acceptance_by_position"],
+        **sampled_walk_metrics(summary),
         "val_walk_replies": summary["walk"]["replies"],
         "val_walk_rounds": summary["walk"]["rounds"],  # over each reply's first train.val_walk_tokens tokens
         "steps": steps,
         "train_minutes": round(minutes, 4),
+    }
+
+
+def sampled_walk_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The sampled val walk's τ (train.val_walk_temperature), head on (± SE) and off; {} without one."""
+    if "walk_sampled" not in summary:
+        return {}
+    return {
+        "val_walk_acceptance_length_sampled": summary["walk_sampled"]["acceptance_length"],
+        "val_walk_acceptance_length_sampled_se": summary["walk_sampled"]["acceptance_length_se"],
+        "val_walk_acceptance_length_base_sampled": summary.get("walk_base_sampled", summary["walk_sampled"])["acceptance_length"],
     }
 
 

@@ -10,6 +10,7 @@ features inside the step.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional
 
 import lightning as L
@@ -28,9 +29,9 @@ from dominospec.train.objective import (
     make_blocks,
     position_weights,
     target_label_ids,
-    teacher_block_logits,
     vocab_index,
 )
+from dominospec.train.distill import block_teacher_index, weighted_distill
 
 
 class BlockAccuracy:
@@ -91,7 +92,7 @@ class DraftLitModule(L.LightningModule):
         self.val_head = BlockAccuracy(draft.config.block_size)
         self.val_base = BlockAccuracy(draft.config.block_size)
         self.val_loss_sum, self.val_batches = 0.0, 0
-        self.walk_head, self.walk_base = WalkStats(), WalkStats()
+        self.walks = empty_walks()
         self.last_summary: dict[str, Any] = {}
         self._row_ce: Any = None  # train.ce_kernel, resolved on the device of the first step
 
@@ -184,8 +185,8 @@ class DraftLitModule(L.LightningModule):
                            label_ids=target_label_ids(ids, target_next.to(ids.device)))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        teacher = target_logits = target_next = None
-        if self.hp.loss == "kd":
+        target_logits = target_next = None
+        if self.hp.loss in ("kd", "tv"):  # the whole distribution: one target forward, its logits [B, T, V]
             feats, target_logits = self.features_and_teacher(batch)
             target_next = target_logits.argmax(-1) if self.hp.labels == "target" else None
         elif self.hp.labels == "target" and "target_next" not in batch:
@@ -193,8 +194,6 @@ class DraftLitModule(L.LightningModule):
         else:
             feats = self.features(batch)
         blocks = _to(self._train_blocks(batch, target_next), self.device)
-        if self.hp.loss == "kd":
-            teacher = teacher_block_logits(target_logits, blocks)  # [B, N, Bk, V]
         labels, label_mask = blocks.labels, blocks.label_mask
         vocab = self.loss_vocab_ids
         if self.hp.loss_vocab == "sampled":  # logits [B, N, Bk, V'] over this step's sampled vocabulary
@@ -211,10 +210,15 @@ class DraftLitModule(L.LightningModule):
             base, final = draft_block_logits(self.draft, self.embed, self.loss_lm_head, feats, blocks, vocab_ids=vocab)
             columns = self.loss_vocab_index[labels]
             labels, label_mask = columns.clamp(min=0), label_mask & (columns >= 0)
-            teacher = None if teacher is None else teacher.index_select(-1, vocab)
+        distill = None
+        if target_logits is not None:  # kd = mix 0; each slot reads the target's row a + j (train/distill.py)
+            index = block_teacher_index(blocks.positions, target_logits.shape[1])
+            mix = 0.0 if self.hp.loss == "kd" else self.hp.tv_mix
+            distill = partial(weighted_distill, target_logits=target_logits, index=index, label_mask=label_mask,
+                              weights=self.slot_weights, temperature=self.hp.tv_temperature, mix=mix, columns=vocab)
         lam = self.curriculum()
-        loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam, teacher,
-                                                    self.row_ce())
+        loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam,
+                                                    ce=self.row_ce(), distill=distill)
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log("train/loss_base", loss_base, batch_size=bs)
@@ -227,10 +231,14 @@ class DraftLitModule(L.LightningModule):
         self.val_head = BlockAccuracy(self.draft.config.block_size)
         self.val_base = BlockAccuracy(self.draft.config.block_size)
         self.val_loss_sum, self.val_batches = 0.0, 0
-        self.walk_head, self.walk_base = WalkStats(), WalkStats()
+        self.walks = empty_walks()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        feats = self.features(batch)
+        logits = None
+        if self.hp.val_walk_temperature is not None and "target_hidden" not in batch:  # one forward for both
+            feats, logits = self.features_and_teacher(batch)
+        else:
+            feats = self.features(batch)
         blocks = _to(self._blocks(batch, self._generator(10**9 + batch_idx)), self.device)  # fixed anchors
         base, final = draft_block_logits(self.draft, self.embed, self.lm_head, feats, blocks)
         _, loss_base, loss_final = domino_loss(base, final, blocks.labels, blocks.label_mask, self.slot_weights, 0.0,
@@ -239,23 +247,42 @@ class DraftLitModule(L.LightningModule):
         self.val_head.update(final if final is not None else base, blocks.labels, blocks.label_mask)
         self.val_loss_sum += float(loss_final)
         self.val_batches += 1
-        self._walk(batch, feats)
+        walks = self.walk_batch(batch, feats, logits)
+        for key, stats in walks.items():
+            self.walks[key].merge(stats)
 
-    def _walk(self, batch: dict[str, torch.Tensor], feats: torch.Tensor) -> None:
-        """Engine-faithful τ: walk each sequence's first reply round by round (train/walk.py),
-        K = B - 1 drafts per round as the engine verifies by default, head on and off, over the
-        reply's first `train.val_walk_tokens` tokens (what evaluate decodes)."""
+    def walk_batch(self, batch: dict[str, torch.Tensor], feats: Optional[torch.Tensor] = None,
+                   logits: Optional[torch.Tensor] = None) -> dict[str, WalkStats]:
+        """Engine-faithful τ of one val batch -> {"head", "base", and with train.val_walk_temperature
+        "head_sampled", "base_sampled"}: each sequence's first reply walked round by round
+        (train/walk.py), K = B - 1 drafts per round as the engine verifies by default, head on and
+        off, over the reply's first `train.val_walk_tokens` tokens (what evaluate decodes); sampled,
+        the expected walk under rejection sampling at that T. `feats` [B, T, n*H] and the target's
+        `logits` [B, T, V] are computed here where not given (one target forward)."""
         K = self.draft.config.block_size - 1
+        temperatures: dict[str, Optional[float]] = {"": None}  # walk-key suffix -> temperature
+        if self.hp.val_walk_temperature is not None:
+            temperatures["_sampled"] = self.hp.val_walk_temperature
+            if logits is None:
+                feats_now, logits = self.features_and_teacher(batch)
+                feats = feats_now if feats is None else feats
+        if feats is None:
+            feats = self.features(batch)
         heads = (True, False) if self.draft.config.use_domino_head else (False,)
+        out = {f"{h}{s}": WalkStats() for h in ("head", "base") for s in temperatures}
         for b in range(batch["input_ids"].shape[0]):
             n = int(batch["lengths"][b])
             ids, mask = batch["input_ids"][b, :n].to(self.device), batch["loss_mask"][b, :n]
             for head in heads:
-                stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head,
-                                      horizon=self.hp.val_walk_tokens)
-                (self.walk_head if head else self.walk_base).merge(stats)
-        if not self.draft.config.use_domino_head:
-            self.walk_head = self.walk_base
+                for suffix, temperature in temperatures.items():
+                    stats = walk_sequence(self.draft, self.embed, self.lm_head, ids, mask, feats[b, :n], K, head=head,
+                                          horizon=self.hp.val_walk_tokens, temperature=temperature,
+                                          target_logits=None if logits is None else logits[b, :n])
+                    out[("head" if head else "base") + suffix].merge(stats)
+        if not self.draft.config.use_domino_head:  # head off: the head's walk is the base's
+            for suffix in temperatures:
+                out["head" + suffix] = out["base" + suffix]
+        return out
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.world_size > 1:
@@ -267,14 +294,16 @@ class DraftLitModule(L.LightningModule):
             "accuracy_by_position": head.prefix_accuracy(),
             "accuracy_by_position_base": base.prefix_accuracy(),
             "loss": self.val_loss_sum / max(1, self.val_batches),
-            "walk": self.walk_head.as_dict(),
-            "walk_base": self.walk_base.as_dict(),
+            **{walk_name(key): stats.as_dict() for key, stats in self.walks.items() if stats.rounds},
         }
+        self.last_summary.setdefault("walk", self.walks["head"].as_dict())
+        self.last_summary.setdefault("walk_base", self.walks["base"].as_dict())
         self.log("val/acceptance_length", self.last_summary["acceptance_length"], sync_dist=False)
         self.log("val/acceptance_length_base", self.last_summary["acceptance_length_base"], sync_dist=False)
         self.log("val/loss", self.last_summary["loss"], sync_dist=True)
-        self.log("val/walk_acceptance_length", self.walk_head.acceptance_length, sync_dist=False)
-        self.log("val/walk_acceptance_length_base", self.walk_base.acceptance_length, sync_dist=False)
+        for key, stats in self.walks.items():  # val/walk_acceptance_length[_base][_sampled]
+            if stats.rounds:
+                self.log(f"val/walk_acceptance_length{walk_name(key)[4:]}", stats.acceptance_length, sync_dist=False)
         for k, (a, b) in enumerate(zip(head.prefix_accuracy(), base.prefix_accuracy())):
             self.log(f"val/accuracy_pos{k + 1}", a, sync_dist=False)
             self.log(f"val/accuracy_base_pos{k + 1}", b, sync_dist=False)
@@ -288,14 +317,14 @@ class DraftLitModule(L.LightningModule):
             acc.right = self.all_gather(acc.right.to(self.device)).sum(0).cpu().reshape(-1)
             acc.counted = self.all_gather(acc.counted.to(self.device)).sum(0).cpu().reshape(-1)
         gathered: list[Any] = [None] * self.trainer.world_size
-        dist.all_gather_object(gathered, (self.walk_head, self.walk_base, self.val_loss_sum, self.val_batches))
-        head, base = WalkStats(), WalkStats()
-        for rank_head, rank_base, _, _ in gathered:
-            head.merge(rank_head)
-            base.merge(rank_base)
-        self.walk_head, self.walk_base = head, (head if self.walk_base is self.walk_head else base)
-        self.val_loss_sum = sum(g[2] for g in gathered)
-        self.val_batches = sum(g[3] for g in gathered)
+        dist.all_gather_object(gathered, (self.walks, self.val_loss_sum, self.val_batches))
+        walks = empty_walks()
+        for rank_walks, _, _ in gathered:
+            for key, stats in rank_walks.items():
+                walks[key].merge(stats)
+        self.walks = walks
+        self.val_loss_sum = sum(g[1] for g in gathered)
+        self.val_batches = sum(g[2] for g in gathered)
 
     def final_validation(self) -> dict[str, Any]:
         """Summary of the last validation pass (acceptance lengths, accuracy by position, loss)."""
@@ -318,6 +347,16 @@ class DraftLitModule(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def empty_walks() -> dict[str, WalkStats]:
+    """The val walks one validation pools: head on / off, greedy and sampled (walk_batch's keys)."""
+    return {f"{h}{s}": WalkStats() for h in ("head", "base") for s in ("", "_sampled")}
+
+
+def walk_name(key: str) -> str:
+    """A walk_batch key -> its summary name: head -> walk, base -> walk_base, head_sampled -> walk_sampled."""
+    return "walk" + key.replace("head", "").replace("base", "_base")
 
 
 def _to(blocks: Any, device: torch.device) -> Any:

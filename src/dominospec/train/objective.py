@@ -307,12 +307,16 @@ def domino_loss(
     lam: float,
     teacher_logits: Optional[torch.Tensor] = None,
     ce: RowCE = chunked_cross_entropy,
+    distill: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (L, L_base, L_final) with L = (1 - lam) * L_final + lam * L_base. Without a head
     (final_logits None) L = L_base = L_final. L_base depends on z only: no gradient into the head.
     With `teacher_logits` [..., Bk, V] both terms distil the target's distribution (`soft_ce`)
-    instead of the hard labels."""
-    if teacher_logits is None:
+    instead of the hard labels; `distill` (logits [..., Bk, V] -> scalar, e.g. train/distill.py's
+    `weighted_distill`) replaces the term outright."""
+    if distill is not None:
+        term = distill
+    elif teacher_logits is None:
         term = lambda logits: weighted_ce(logits, labels, label_mask, weights, ce)  # noqa: E731
     else:
         term = lambda logits: soft_ce(logits, teacher_logits, label_mask, weights)  # noqa: E731

@@ -25,15 +25,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143: the status a shell reports for a process ended by SIGTERM
 
 
-def save_last(trainer: L.Trainer, ckpt_dir: Path) -> Path:
+def save_last(trainer: L.Trainer, ckpt_dir: Path, reason: str = "SIGTERM") -> Path:
     """The trainer's whole state -> ckpt_dir/last.ckpt, atomically: written under a temporary name in
     the same folder, then renamed, so a save cut short leaves the previous last.ckpt whole.
-    Call on every rank: each dumps its state, rank 0 writes, all meet at a barrier."""
+    Call on every rank: each dumps its state, rank 0 writes, all meet at a barrier. `reason` is logged."""
     last, tmp = ckpt_dir / "last.ckpt", ckpt_dir / "last.ckpt.tmp"
     trainer.save_checkpoint(tmp)
     if trainer.is_global_zero:
         os.replace(tmp, last)
-    rank_zero_info(f"SIGTERM: saved step {trainer.global_step} to {last}; rerun the stage to resume")
+    rank_zero_info(f"{reason}: saved step {trainer.global_step} to {last}; rerun the stage to resume")
     return last
 
 

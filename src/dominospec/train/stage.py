@@ -8,6 +8,8 @@ Outputs (params `paths`):
   metrics/train.json                   acceptance length head on/off, accuracy by position, steps, minutes
   plots/train_curve.csv                step, loss, loss_base, loss_final, lambda, lr (DVC plot)
   plots/val_accuracy_by_position.csv   position, accuracy (head on), accuracy_base (DVC plot)
+  metrics/train_walk.json,             the val walk's τ (greedy, sampled) at train.walk_minutes of
+  plots/train_walk.csv                 training wall time, with step and sequences seen (train/timed.py)
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from dominospec.files import code_digest
 from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 from dominospec.train.preempt import PreemptionCheckpoint, preemptible, raise_if_preempted
+from dominospec.train.timed import TimedCheckpoint, WalkClock
 
 
 def run_fingerprint(params: Params, data_fingerprint: str) -> str:
     """Hash of everything that makes a checkpoint resumable: draft, train params, data, target, code."""
     keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
     keys.pop("train.ce_kernel", None)  # the same losses either way: a run may resume on another device
+    for clock_key in ("train.checkpoint_minutes", "train.walk_minutes", "train.val_walk_temperature"):
+        keys.pop(clock_key, None)  # when to save and what to log: the same weights, a slice may change them
     blob = json.dumps({"params": keys, "data": data_fingerprint, "code": code_digest()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -113,6 +118,8 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         logger.log_hyperparams(flat_params(params))
 
     curves = CurveRecorder()
+    clock = [TimedCheckpoint(ckpt_dir, params.train.checkpoint_minutes)] if params.train.checkpoint_minutes else []
+    walk_clock = WalkClock(list(params.train.walk_minutes), curves, Path(params.paths.metrics), Path(params.paths.plots))
     checkpoints = ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="step-{step:06d}",
@@ -137,8 +144,8 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=params.train.log_every_steps,
         logger=logger,
-        callbacks=[checkpoints, PreemptionCheckpoint(ckpt_dir), curves, LearningRateMonitor(logging_interval="step"),
-                   *extra_callbacks],
+        callbacks=[checkpoints, *clock, PreemptionCheckpoint(ckpt_dir), curves, walk_clock,
+                   LearningRateMonitor(logging_interval="step"), *extra_callbacks],
         enable_progress_bar=True,
         default_root_dir=str(ckpt_dir),
     )
@@ -151,6 +158,7 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         summary = setup.module.final_validation()
         # Minutes of optimisation over every invocation (a resumed run counts its earlier part).
         write_train_outputs(params, trainer, curves, summary, minutes=curves.train_seconds / 60, logger=logger)
+        walk_clock.write()  # metrics/train_walk.json, plots/train_walk.csv: the rows (none without walk_minutes)
 
 
 def lightning_strategy(params: Params) -> Any:

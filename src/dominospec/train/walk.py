@@ -16,6 +16,18 @@ For one reply occupying positions s..e-1 of a sequence (loss_mask True there):
         emitted += n + 1; rounds += 1; a += n + 1
 
 τ = Σ emitted ÷ Σ rounds over all replies (pooled, docs/design.md §6).
+
+Sampled (`walk_sequence(..., temperature=T)`): a round at anchor a drafts d_i ~ q_i and the
+target accepts it with probability min(1, p_i(d_i) / q_i(d_i)) (engine.accept), so draft i is
+accepted, given drafts < i were, with probability a_i = Σ_v min(p_i, q_i) (p_i: the target's warped
+distribution after x[..a+i-1], q_i: the draft's, slot i - 1 of the block). Read along the reply (the
+target's features and the head's teacher-forced GRU see the reply's own tokens, as the greedy walk
+does) a round accepts n drafts with probability S_n - S_(n+1), S_n = Π_(i<=n) a_i, S_0 = 1, and
+moves to a + n + 1. The walk then carries the expected number of rounds that start at each anchor
+(V(s) = 1, V(a + n + 1) += V(a) P_a(n)); τ = emitted ÷ Σ_a V(a), the emitted tokens being the
+reply's e - 1 - s as in the greedy walk. Where p_(i) depends on which token was accepted before it
+the product is an estimate along the reply; where it does not it is the engine's τ exactly
+(tests/train/test_walk_sampled.py runs the engine sampled against it).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from dominospec.train.distill import acceptance_probability
 from dominospec.train.objective import draft_block_logits, make_blocks
 
 
@@ -52,10 +65,10 @@ class WalkStats:
     """Pooled engine-walk counts; `acceptance_length` is τ, bonus included."""
 
     emitted: int = 0
-    rounds: int = 0
+    rounds: float = 0  # expected rounds in the sampled walk
     per_reply: list[float] = field(default_factory=list)  # τ of each reply (for a standard error)
-    position_accepted: list[int] = field(default_factory=list)  # [K] rounds whose draft k+1 was accepted
-    position_proposed: list[int] = field(default_factory=list)  # [K] rounds that proposed draft k+1
+    position_accepted: list[float] = field(default_factory=list)  # [K] rounds whose draft k+1 was accepted (expected: sampled)
+    position_proposed: list[float] = field(default_factory=list)  # [K] rounds that proposed draft k+1
 
     @property
     def acceptance_length(self) -> float:
@@ -110,6 +123,61 @@ def walk_reply(accepted: dict[int, int], start: int, end: int, num_draft: int) -
     return stats
 
 
+def walk_reply_sampled(acceptance: dict[int, torch.Tensor], start: int, end: int, num_draft: int) -> WalkStats:
+    """acceptance {anchor a -> a_i [num_draft], draft i's acceptance given drafts < i were} over one
+    reply s..e-1 -> its expected walk (module docstring): rounds and counts by position are
+    expectations, emitted the reply's e - 1 - s tokens."""
+    stats = WalkStats(position_accepted=[0.0] * num_draft, position_proposed=[0.0] * num_draft)
+    visits = [0.0] * (end - start)  # V(a): expected rounds starting at anchor a (index a - start)
+    visits[0] = 1.0
+    for a in range(start, end - 1):
+        v = visits[a - start]
+        if v == 0.0:
+            continue
+        k = min(num_draft, end - 2 - a)  # as the greedy walk: the bonus fills the last slot
+        survival = [1.0] + torch.cumprod(acceptance[a][:k].double(), 0).tolist()  # S_0 .. S_k
+        stats.rounds += v
+        for j in range(k):
+            stats.position_proposed[j] += v
+            stats.position_accepted[j] += v * survival[j + 1]
+        for n in range(k + 1):
+            p = survival[n] - (survival[n + 1] if n < k else 0.0)
+            visits[a + n + 1 - start] += v * p
+    stats.emitted = end - 1 - start
+    if stats.rounds:
+        stats.per_reply.append(stats.acceptance_length)
+    return stats
+
+
+@torch.no_grad()
+def acceptance_probabilities(
+    draft, embed_tokens, lm_head, input_ids: torch.Tensor, spans: list[tuple[int, int]], target_features: torch.Tensor,
+    target_logits: torch.Tensor, num_draft: int, temperature: float, head: bool = True, chunk: int = 64,
+) -> dict[int, torch.Tensor]:
+    """input_ids [T], reply spans, target_features [T, n*H], target_logits [T, V] (the target's
+    next-token logits after each position), temperature T > 0 -> {anchor a -> a_i [num_draft]}:
+    a_i = Σ_v min(p_i, q_i), p_i = softmax(target_logits[a + i - 1] / T), q_i = softmax(the draft's
+    logits at slot i - 1 / T), i = 1..num_draft (0 past the sequence): the engine's temperature
+    warp (engine.sampling.Sampling without top-k / top-p) of both."""
+    T = input_ids.shape[0]
+    anchors = torch.cat([torch.arange(s, e - 1) for s, e in spans])
+    cfg = draft.config
+    out: dict[int, torch.Tensor] = {}
+    ids, mask = input_ids[None], torch.ones(1, T, dtype=torch.bool, device=input_ids.device)
+    for part in anchors.split(chunk):
+        blocks = make_blocks(ids, mask, 0, cfg.block_size, cfg.mask_token_id, anchors=[part.to(input_ids.device)])
+        base, final = draft_block_logits(draft, embed_tokens, lm_head, target_features[None], blocks)
+        logits = (final if (head and final is not None) else base)[0, :, :num_draft]  # [N, K, V]
+        positions = blocks.positions[0, :, :num_draft]  # [N, K]: slot j predicts x[a+1+j] from the target's row a + j
+        N, K, V = logits.shape
+        q = torch.softmax(logits.reshape(N * K, V).float() / temperature, -1)
+        p = torch.softmax(target_logits[positions.clamp(max=T - 1).reshape(-1)].float() / temperature, -1)
+        a = acceptance_probability(p, q).view(N, K) * (positions < T - 1).float()
+        for anchor, row in zip(part.tolist(), a.cpu()):
+            out[anchor] = row
+    return out
+
+
 @torch.no_grad()
 def accepted_drafts(
     draft, embed_tokens, lm_head, input_ids: torch.Tensor, spans: list[tuple[int, int]], target_features: torch.Tensor,
@@ -153,15 +221,25 @@ def walked_spans(loss_mask: torch.Tensor, first_reply_only: bool = True,
 def walk_sequence(
     draft, embed_tokens, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, target_features: torch.Tensor,
     num_draft: int, head: bool = True, chunk: int = 64, first_reply_only: bool = True, horizon: Optional[int] = None,
+    temperature: Optional[float] = None, target_logits: Optional[torch.Tensor] = None,
 ) -> WalkStats:
     """One sequence: input_ids / loss_mask [T], target_features [T, n*H] -> the engine walk over
     its replies (`walked_spans`), drafting with the head (`head`) or from the base logits alone.
 
-    The draft is scored at every anchor a reply may start a round from (`accepted_drafts`), then
-    each reply is walked over those scores."""
+    Greedy (`temperature` None or 0): the draft is scored at every anchor a reply may start a round
+    from (`accepted_drafts`), then each reply is walked over those scores. Sampled (`temperature`
+    T > 0, `target_logits` [T, V] given): the expected walk over `acceptance_probabilities`."""
     spans = walked_spans(loss_mask, first_reply_only, horizon)
     total = WalkStats(position_accepted=[0] * num_draft, position_proposed=[0] * num_draft)
     if not spans:
+        return total
+    if temperature:
+        if target_logits is None:
+            raise ValueError("a sampled walk needs the target's logits over the sequence")
+        acceptance = acceptance_probabilities(draft, embed_tokens, lm_head, input_ids, spans, target_features,
+                                              target_logits, num_draft, temperature, head, chunk)
+        for s, e in spans:
+            total.merge(walk_reply_sampled(acceptance, s, e, num_draft))
         return total
     accepted = accepted_drafts(draft, embed_tokens, lm_head, input_ids, spans, target_features, num_draft, head, chunk)
     for s, e in spans:
@@ -169,4 +247,5 @@ def walk_sequence(
     return total
 
 
-__all__ = ["WalkStats", "reply_spans", "leading_accepted", "walk_reply", "accepted_drafts", "walked_spans", "walk_sequence"]
+__all__ = ["WalkStats", "reply_spans", "leading_accepted", "walk_reply", "walk_reply_sampled", "acceptance_probabilities",
+           "accepted_drafts", "walked_spans", "walk_sequence"]
