@@ -56,6 +56,7 @@ class Reply:
     stopped: bool  # ended on a stop token
     loop_cut: bool  # cut by the loop detector
     unfed: list[int]  # tail of `tokens` not in the slot's cache (the last token of a capped reply)
+    stop: Optional[int] = None  # the stop token it ended on (static decoder; None: not stopped, or not recorded)
 
 
 @dataclass

@@ -222,7 +222,8 @@ class StaticDecoder:
         for row, n, stop, cut, tokens in zip(rows.tolist(), counts, stopped, cuts, replies):
             kept = tokens[: n - 1] if stop else tokens[:cut] if cut >= 0 else tokens[:n]
             job, self.row_job[row] = self.row_job[row], None
-            self.on_reply(job, Reply(tokens=kept, generated=n, stopped=stop, loop_cut=cut >= 0, unfed=[]))
+            self.on_reply(job, Reply(tokens=kept, generated=n, stopped=stop, loop_cut=cut >= 0, unfed=[],
+                                     stop=tokens[n - 1] if stop else None))
 
     def _shrink(self, B: int, busy: list[int]) -> int:
         """No job left to start: busy rows -> the lowest rows of the smallest bucket that holds them -> that bucket."""
