@@ -118,7 +118,7 @@ class RegenerateParams:
     magpie_temperature: float
     magpie_max_prompt_tokens: int
     magpie_min_prompt_tokens: int
-    dedup: Literal["off", "tokens", "text"]  # static: drop repeated sequences (exact token ids, or normalised text)
+    dedup: Literal["none", "tokens", "text"]  # static: drop repeated sequences (exact token ids, or normalised text)
     chunk_replies: int  # static: replies per journaled chunk
     prefill_tokens: int  # static: tokens per prefill forward
     cuda_graphs: bool  # static on CUDA: one CUDA graph per decode-step shape

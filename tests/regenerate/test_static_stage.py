@@ -93,7 +93,7 @@ def test_dedup_keeps_the_first_and_counts_repeats_per_source():
     assert text.first("a", [], [{"role": "user", "content": "Hello  World"}])
     assert not text.first("c", [9], [{"role": "user", "content": "hello world "}])
     assert text.first("c", [9], [{"role": "assistant", "content": "hello world"}]) and text.duplicates == Counter({"c": 1})
-    assert Dedup("off").first("a", [1], []) and Dedup("off").first("a", [1], [])
+    assert Dedup("none").first("a", [1], []) and Dedup("none").first("a", [1], [])
 
 
 def test_magpie_prefix_is_the_templates_user_header_and_the_filter_names_its_reason(smollm2_tokenizer):
@@ -157,7 +157,7 @@ def test_static_greedy_first_turns_equal_the_stream_decoders(prepared, tiny_targ
     root, source, prepared_path = prepared
     replies = {}
     for decoder in ("stream", "static"):
-        keys = dict(decoder=decoder, max_turns=1, samples=0, magpie_prompts=0, dedup="off", max_val_conversations=0,
+        keys = dict(decoder=decoder, max_turns=1, samples=0, magpie_prompts=0, dedup="none", max_val_conversations=0,
                     loop_ngram=2, loop_repeats=3, linear="torch")
         params_file = _params(root, root / decoder, tiny_target_dir, source, **keys)
         _paths_with(params_file, prepared_path)

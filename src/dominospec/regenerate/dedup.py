@@ -1,6 +1,6 @@
 """Exact deduplication of regenerated sequences, counted per source.
 
-    seen = Dedup("tokens")             # off | tokens | text
+    seen = Dedup("tokens")             # none | tokens | text
     seen.first(source, input_ids, messages) -> True for the first sequence with its key, else False
 
 `tokens`: the key is the sequence's token ids (prompt and reply). `text`: the messages' roles and
@@ -29,13 +29,13 @@ class Dedup:
     """Keys seen so far, and per source how many sequences were repeats (`duplicates`)."""
 
     def __init__(self, mode: str):
-        if mode not in ("off", "tokens", "text"):
-            raise ValueError(f"dedup mode must be off, tokens or text, got {mode!r}")
+        if mode not in ("none", "tokens", "text"):
+            raise ValueError(f"dedup mode must be none, tokens or text, got {mode!r}")
         self.mode, self.seen, self.duplicates = mode, set(), Counter()
 
     def first(self, source: str, input_ids: Sequence[int], messages: Sequence[dict[str, str]]) -> bool:
-        """Whether this sequence is the first with its key (always, with mode off); counts a repeat."""
-        if self.mode == "off":
+        """Whether this sequence is the first with its key (always, with mode none); counts a repeat."""
+        if self.mode == "none":
             return True
         if self.mode == "tokens":
             raw = b",".join(str(int(t)).encode() for t in input_ids)

@@ -76,7 +76,7 @@ def regenerate_static(target: Target, params: Params, meta: dict[str, Any], spli
         count = min(cfg.max_val_conversations, len(splits["val"]))
         val_prompts = conversation_prompts(splits["val"], count, cfg.max_turns, "val")
         jobs, of = reply_jobs(tokenizer, val_prompts, variants(cfg, greedy_only=True), cfg, max_length, kwargs)
-        val, val_sources = to_sequences(tokenizer, val_prompts, jobs, of, runner.decode("val", jobs), Dedup("off"),
+        val, val_sources = to_sequences(tokenizer, val_prompts, jobs, of, runner.decode("val", jobs), Dedup("none"),
                                         int(meta["mask_token_id"]), cfg.max_new_tokens)
         sources["val"] = val_sources.get("val", {})
     report = {"sources": sources, "magpie_prompts": magpie, "resumed_replies": runner.resumed, "tokens_generated_this_run": runner.new_tokens,

@@ -375,7 +375,7 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.original_conversations must be >= 0 (0 = only rewritten ones), got {cfg.original_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
-    static = {"samples": cfg.samples, "magpie_prompts": cfg.magpie_prompts, "dedup": cfg.dedup != "off"}
+    static = {"samples": cfg.samples, "magpie_prompts": cfg.magpie_prompts, "dedup": cfg.dedup != "none"}
     if cfg.decoder == "stream" and any(static.values()):
         raise UserError(f"regenerate.{next(k for k, v in static.items() if v)} needs regenerate.decoder: static "
                         "(the stream decoder rewrites whole conversations)")
