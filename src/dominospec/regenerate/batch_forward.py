@@ -13,7 +13,8 @@ The weights, the rotary tables and the fused operations are the lean decoder's (
 `LeanLayer`, `DecoderOps`: the Triton kernels on CUDA, their pure-torch references elsewhere), so
 the arithmetic is that decoder's, in transformers' rounding order; only the attention differs:
 decode steps use `engine.attention.gqa_one_query` (the one-query grouped attention today's slot
-decoder steps with), prefills `gqa_sdpa`. Every op of `decode` is a tensor op on device tensors
+decoder steps with), prefills `gqa_sdpa`. On the CPU every linear layer runs on a weight packed once
+for oneDNN (`engine.packed.PackedLinear`: MKL would re-pack it on every call of more than one row). Every op of `decode` is a tensor op on device tensors
 whose shapes depend on (B, cols) only: one decode step is capturable in a CUDA graph per (B, cols).
 The attention's cost follows `cols`, not the capacity C: the caller picks the smallest column
 bucket that holds the longest row.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.engine.attention import gqa_one_query, gqa_sdpa
+from dominospec.engine.packed import PackedLinear, packable
 from dominospec.models.lean import LeanDecoder
 
 
@@ -41,6 +43,10 @@ class BatchForward:
         self.keys = torch.zeros(shape, dtype=decoder.dtype, device=decoder.device)  # [L, S, Hkv, C, D]
         self.values = torch.zeros_like(self.keys)
         self.device, self.dtype = decoder.device, decoder.dtype
+        # per layer (qkv, o, gate_up, down), then the LM head: x [N, in] -> [N, out]
+        self.linears = [[_linear(w, slots) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                        for layer in stack.layers]
+        self.lm_head = _linear(decoder.lm_head, slots)
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cols: int) -> torch.Tensor:
         """ids [B], positions [B] (< cols) of slots 0..B-1 -> logits [B, V] float32 (module docstring)."""
@@ -61,7 +67,7 @@ class BatchForward:
             return out.reshape(B, self.Hq * self.D)
 
         x = self._layers(F.embedding(ids, self.decoder.embed), positions, attend)  # [B, H]
-        return F.linear(x, self.decoder.lm_head).float()
+        return self.lm_head(x).float()
 
     def prefill(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """slots [n], ids [n, T] right-padded, lengths [n] (>= 1) -> logits [n, V] float32 of each row's
@@ -81,7 +87,7 @@ class BatchForward:
 
         x = self._layers(F.embedding(ids.reshape(-1), self.decoder.embed), positions, attend)  # [n*T, H]
         last = torch.arange(n, device=self.device) * T + lengths - 1
-        return F.linear(x.index_select(0, last), self.decoder.lm_head).float()
+        return self.lm_head(x.index_select(0, last)).float()
 
     def move(self, sources: torch.Tensor, targets: torch.Tensor, cols: int) -> None:
         """Copy slots `sources` [m] to slots `targets` [m] (columns [0, cols)), every layer."""
@@ -101,17 +107,25 @@ class BatchForward:
         sin = self.decoder.sin.index_select(0, positions)[:, None]
         N, residual = h.shape[0], None
         for i, layer in enumerate(stack.layers):
+            qkv, o, gate_up, down = self.linears[i]
             x, summed = ops.rms_norm(h, layer.input_norm, eps, residual)
-            q, k, v = F.linear(x, layer.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = qkv(x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q, k, v = q.reshape(N, Hq, D), k.reshape(N, Hkv, D), v.reshape(N, Hkv, D)
             if layer.q_norm is not None:  # Qwen3: RMSNorm over each head, before the rotation
                 q = ops.rms_norm(q.reshape(-1, D), layer.q_norm, eps)[0].reshape(N, Hq, D)
                 k = ops.rms_norm(k.reshape(-1, D), layer.k_norm, eps)[0].reshape(N, Hkv, D)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin  # HF's apply_rotary_pos_emb
             a = attend(i, q, k, v.contiguous())
-            x, residual = ops.rms_norm(F.linear(a, layer.o), layer.post_norm, eps, summed)
-            h = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            x, residual = ops.rms_norm(o(a), layer.post_norm, eps, summed)
+            h = down(ops.silu_mul(gate_up(x)))
         return ops.rms_norm(h, stack.final_norm, eps, residual)[0]
+
+
+def _linear(weight: torch.Tensor, rows: int):
+    """A weight [out, in] -> x [N, in] -> x · weightᵀ: packed once for oneDNN where it can be (CPU fp32/bf16)."""
+    if packable(weight):
+        return PackedLinear(weight, rows_hint=rows)
+    return lambda x: F.linear(x, weight)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
