@@ -8,6 +8,8 @@ compute the HF model's logits (Llama and Qwen3); the device loop check must cut 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -169,3 +171,27 @@ def test_sampled_replies_depend_on_their_seed_alone(tiny_llama):
     for p in range(len(prompts)):
         greedy, hot, other, warm = (first[4 * p + k].tokens for k in range(4))
         assert hot != greedy and hot != other and warm != greedy
+
+
+@pytest.mark.slow  # loads the embedded SmolLM2-135M
+def test_smollm2_greedy_replies_equal_todays_decoder():
+    """The real target in fp32: 6 ShareGPT-style prompts, 24 new tokens, on 4 slots (a refill) -> the replies
+    today's slot decoder gives, token for token."""
+    from pathlib import Path
+
+    from dominospec.config import load_params
+    from dominospec.data.chat import render_prompt
+    from dominospec.regenerate.replies import decode_policy
+    from dominospec.target import load_target
+
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    target = load_target(params.target)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
+                 "List three prime numbers.", "How do I reverse a list in Python?", "Who wrote Hamlet?"]
+    prompts = [render_prompt(target.tokenizer, [{"role": "user", "content": q}], {}) for q in questions]
+    policy = decode_policy(target, dataclasses.replace(params.regenerate, loop_ngram=4, loop_repeats=3))
+    reference = _stream_replies(target.model, prompts, [24] * len(prompts), policy)
+    got = _static_replies(target.model, [ReplyJob(tuple(p), 24) for p in prompts], policy, slots=4,
+                          max_new_tokens=24)
+    assert {i: r.tokens for i, r in got.items()} == {i: r.tokens for i, r in reference.items()}
+    assert "Paris" in target.tokenizer.decode(got[0].tokens)
