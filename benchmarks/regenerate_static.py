@@ -2,9 +2,9 @@
 decoder (`static`), on the same ShareGPT first turns, in one process; the table comes last.
 
     # CPU, a tiny budget (the embedded SmolLM2, or --tiny: a random 2-layer model on its tokenizer)
-    python benchmarks/regenerate_speed.py --prompts 32 --max-new-tokens 32 --slots 32
+    python benchmarks/regenerate_static.py --prompts 32 --max-new-tokens 32 --slots 32
     # one GPU: the prompts packed by benchmarks/gpu_recipe.py, the GGUF's folder
-    python benchmarks/regenerate_speed.py --conversations .carry/recipe/conversations.jsonl.xz \\
+    python benchmarks/regenerate_static.py --conversations .carry/recipe/conversations.jsonl.xz \\
         --gguf-dir DIR --prompts 4096 --slots 1024 --max-new-tokens 256 --out speed.json
 
 Each path decodes the first `--prompts` first turns greedily (regenerate.temperature 0) with the
