@@ -159,8 +159,8 @@ class _Runner:
                  base: dict[str, Any]):
         self.target, self.cfg, self.policy, self.journal_dir, self.base = target, cfg, policy, journal_dir, base
         self.resumed, self.new_tokens, self.seconds = 0, 0, 0.0
-        self.decoders: list[StaticDecoder] = []
         self.lean: Optional[LeanDecoder] = None
+        self.captured, self.failed = 0, {}  # CUDA graphs over the phases; shapes whose capture failed (ran eagerly)
 
     def decode(self, phase: str, jobs: Sequence[ReplyJob]) -> list[Reply]:
         """Jobs -> their replies, in job order; finished chunks of a killed run are read from the journal."""
@@ -208,23 +208,21 @@ class _Runner:
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - started
         bar.close()
+        self.captured += len(decoder.graphs)
+        self.failed.update({f"{phase} {key}": error for key, error in decoder.failures.items()})
+        del decoder  # its cache, state and graphs go before the next phase's are made
 
     def _decoder(self, capacity: int, longest_reply: int) -> StaticDecoder:
         """A static decoder of `batch_size` slots and `capacity` columns on the target's lean layers."""
-        for old in self.decoders:  # one cache at a time: the last phase's is freed first
-            old.forward.keys = old.forward.values = None
         if self.lean is None:  # its fused q/k/v and gate/up weights: built once
             self.lean = LeanDecoder(self.target.model, DecoderOps.on(self.target.device.type == "cuda"))
         forward = BatchForward(self.lean, self.cfg.batch_size, capacity)
-        decoder = StaticDecoder(forward, self.policy, longest_reply, graphs=self.cfg.cuda_graphs,
-                                prefill_tokens=self.cfg.prefill_tokens)
-        self.decoders.append(decoder)
-        return decoder
+        return StaticDecoder(forward, self.policy, longest_reply, graphs=self.cfg.cuda_graphs,
+                             prefill_tokens=self.cfg.prefill_tokens)
 
     def graph_report(self) -> dict[str, Any]:
         """Graphs captured and shapes whose capture failed (run eagerly), over the phases."""
-        return {"captured": sum(len(d.graphs) for d in self.decoders),
-                "failed": {str(k): v for d in self.decoders for k, v in d.failures.items()}}
+        return {"captured": self.captured, "failed": self.failed}
 
 
 def _jobs_digest(jobs: Sequence[ReplyJob]) -> str:

@@ -118,27 +118,28 @@ class StaticDecoder:
                 raise ValueError(f"job {i}: a prompt of {len(job.prompt)} tokens and a budget of {job.budget} "
                                  f"do not fit a cache of {self.forward.capacity} columns")
         self.jobs, self.on_reply = jobs, on_reply
-        self.row_job: list[Optional[int]] = [None] * self.slots  # row -> its job
-        self.lengths = np.zeros(self.slots, dtype=np.int64)  # host mirror of state.length for busy rows
+        # host mirrors, one entry per row: its job (-1: free), tokens in its cache, whether it samples
+        self.row_job = np.full(self.slots, -1, dtype=np.int64)
+        self.lengths = np.zeros(self.slots, dtype=np.int64)
+        self.hot = np.zeros(self.slots, dtype=bool)
         queue, B = deque(range(len(jobs))), self.slots
         with torch.inference_mode():
             self.state.active.zero_()
             self.state.finished.zero_()
             while True:
-                busy = [r for r in range(B) if self.row_job[r] is not None]
-                free = [r for r in range(B) if self.row_job[r] is None]
-                if queue and free and (len(free) >= max(1, B // REFILL) or not busy):
-                    self._refill(free, queue)
+                busy = np.flatnonzero(self.row_job[:B] >= 0)
+                free = np.flatnonzero(self.row_job[:B] < 0)
+                if queue and len(free) and (len(free) >= max(1, B // REFILL) or not len(busy)):
+                    self._refill(free.tolist(), queue)
                     self._harvest(B)
                     continue
-                if not busy:
+                if not len(busy):
                     break
                 if not queue:
-                    B = self._shrink(B, busy)
-                    busy = [r for r in range(B) if self.row_job[r] is not None]
+                    B = self._shrink(B, busy.tolist())
+                    busy = np.flatnonzero(self.row_job[:B] >= 0)
                 cols = min(self.forward.capacity, -(-(int(self.lengths[busy].max()) + 1) // COLUMN_STEP) * COLUMN_STEP)
-                sampled = any(self.jobs[self.row_job[r]].temperature > 0 for r in busy)
-                self._run_step((B, cols, sampled))
+                self._run_step((B, cols, bool(self.hot[busy].any())))
                 self.lengths[busy] += 1
                 if on_tokens is not None:
                     on_tokens(len(busy))
@@ -181,7 +182,7 @@ class StaticDecoder:
                             ("finished", finished), ("stopped", stopped)):
             getattr(st, name)[rows] = value
         for (row, job), n in zip(batch, lengths.tolist()):
-            self.row_job[row], self.lengths[row] = job, n
+            self.row_job[row], self.lengths[row], self.hot[row] = job, n, self.jobs[job].temperature > 0
 
     def _step(self, B: int, cols: int, sampled: bool) -> None:
         """One decode step of rows 0..B-1 on the state buffers (tensor ops only: the graph's body)."""
@@ -204,7 +205,7 @@ class StaticDecoder:
         column = count.clamp(max=reply.shape[1] - 1)[:, None]
         reply.scatter_(1, column, torch.where(active, token, reply.gather(1, column)[:, 0])[:, None])
         count = count + active.long()
-        stopped = active & torch.isin(token, self.stop_ids)
+        stopped = active & (token[:, None] == self.stop_ids[None, :]).any(-1)
         cut = loop_cuts(reply, count, self.policy.loop_ngram or 0, self.policy.loop_repeats)
         cut = torch.where(active & ~stopped, cut, torch.full_like(cut, -1))
         finished = active & (stopped | (cut >= 0) | (count >= budget))
@@ -221,7 +222,7 @@ class StaticDecoder:
         st.finished[rows] = False
         for row, n, stop, cut, tokens in zip(rows.tolist(), counts, stopped, cuts, replies):
             kept = tokens[: n - 1] if stop else tokens[:cut] if cut >= 0 else tokens[:n]
-            job, self.row_job[row] = self.row_job[row], None
+            job, self.row_job[row] = int(self.row_job[row]), -1
             self.on_reply(job, Reply(tokens=kept, generated=n, stopped=stop, loop_cut=cut >= 0, unfed=[],
                                      stop=tokens[n - 1] if stop else None))
 
@@ -231,15 +232,15 @@ class StaticDecoder:
         if new >= B:
             return B
         sources = [r for r in busy if r >= new]
-        targets = [r for r in range(new) if self.row_job[r] is None][: len(sources)]
+        targets = np.flatnonzero(self.row_job[:new] < 0)[: len(sources)].tolist()
         if sources:
             cols = int(self.lengths[sources].max()) + 1
             src, dst = (torch.tensor(x, device=self.device) for x in (sources, targets))
             self.forward.move(src, dst, cols)
             self.state.move(src, dst)
-            for s, t in zip(sources, targets):
-                self.row_job[t], self.row_job[s] = self.row_job[s], None
-                self.lengths[t] = self.lengths[s]
+            for mirror in (self.row_job, self.lengths, self.hot):
+                mirror[targets] = mirror[sources]
+            self.row_job[sources] = -1
         self.state.active[new:].zero_()
         return new
 
