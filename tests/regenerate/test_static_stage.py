@@ -208,3 +208,40 @@ def test_a_killed_static_run_resumes_without_redoing_finished_chunks(prepared, r
     _, _, clean, _, _ = run
     for split in ("train", "val", "test"):
         assert list(resumed[split]) == list(clean[split])
+
+
+def test_self_written_prompts_are_the_kept_continuations_of_the_user_prefix(smollm2_tokenizer):
+    """What the target writes after the user prefix (here: given replies) -> the prompts kept, counted by verdict."""
+    from dominospec.regenerate.sequences import self_written_prompts
+
+    tok, end = smollm2_tokenizer, smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    written = [("How do I sort a list in Python?", True), ("how do I  sort a list in python?", True),
+               ("Tell me about the", False), ("   ", True), ("Name <|im_start|> three birds.", True),
+               ("Why is the sky blue?", True)]
+
+    class Written:
+        """Stands in for the decoding phase: the replies the target wrote (tokenized texts)."""
+
+        jobs = None
+
+        def decode(self, phase, jobs):
+            assert phase == "magpie_prompts" and len(jobs) == len(written)
+            Written.jobs = jobs
+            replies = []
+            for text, stopped in written:
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                replies.append(Reply(ids, len(ids) + stopped, stopped, False, [], end if stopped else None))
+            return replies
+
+    cfg = load_params(REPO / "params.yaml").regenerate
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, magpie_prompts=len(written), magpie_min_prompt_tokens=2)
+    prompts, verdicts = self_written_prompts(Written(), tok, cfg, {})
+    assert [p.as_messages() for p in prompts] == [[{"role": "user", "content": "How do I sort a list in Python?"}],
+                                                  [{"role": "user", "content": "Why is the sky blue?"}]]
+    assert [p.id for p in prompts] == ["magpie:0", "magpie:5"] and {p.source for p in prompts} == {"magpie"}
+    assert verdicts == {"asked": 6, "kept": 2, "duplicate": 1, "no_end_of_turn": 1, "empty": 1, "special_token": 1}
+    prefix = tok(magpie_prefix(tok, {}), add_special_tokens=False)["input_ids"]
+    assert all(list(j.prompt) == prefix and j.temperature == cfg.magpie_temperature for j in Written.jobs)
+    assert len({j.seed for j in Written.jobs}) == len(written)  # each continuation its own draw
