@@ -117,9 +117,10 @@ def reply_jobs(
         budget = min(cfg.max_new_tokens, max_length - len(ids))
         if budget < 1:
             continue
+        ids = tuple(ids)  # one tuple shared by the prompt's variants
         for temperature, index in wanted:
-            jobs.append(ReplyJob(tuple(ids), budget, temperature, seed_of(cfg.seed, prompt.source, prompt.id,
-                                                                           temperature, index)))
+            jobs.append(ReplyJob(ids, budget, temperature, seed_of(cfg.seed, prompt.source, prompt.id, temperature,
+                                                                   index)))
             of.append(JobOf(i, temperature, index))
     return jobs, of
 

@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from datasets import Dataset
 from tqdm import tqdm
@@ -226,7 +227,9 @@ class _Runner:
 
 
 def _jobs_digest(jobs: Sequence[ReplyJob]) -> str:
+    """Jobs -> sha256 of every job's prompt ids, budget, temperature and seed."""
     h = hashlib.sha256()
     for job in jobs:
-        h.update(repr((job.prompt, job.budget, job.temperature, job.seed)).encode())
+        h.update(np.asarray(job.prompt, dtype=np.int64).tobytes())
+        h.update(repr((job.budget, job.temperature, job.seed)).encode())
     return h.hexdigest()
