@@ -18,7 +18,9 @@ that tokenizer's.
 
 `pack` writes `conversations.jsonl.xz`: the first `regenerate.max_conversations` train conversations,
 cut after their first assistant turn when `regenerate.max_turns` is 1 (regenerate reads nothing
-after it), and the whole val and test splits; plus `recipe.json` with the prepared mask token, so
+after it); with `regenerate.decoder: static` and more turns, cut after the last assistant turn that
+starts within prepare's max_length tokens (the prepared row's loss-mask runs: a later turn's prompt
+leaves no room for a reply) and the first max_turns; and the whole val and test splits; plus `recipe.json` with the prepared mask token, so
 the smaller source picks the token the full one did. Its prepare run then yields the same train
 rows in the same order (splits are a function of the id), hence the same regenerate work.
 
@@ -66,6 +68,18 @@ DONE = {  # stage -> the file it writes last (under paths.metrics, or the export
 }
 
 
+def answered_turns(messages: list[dict[str, str]], loss_mask: list[int], max_turns: int | None) -> list[dict[str, str]]:
+    """Messages up to and including the n-th assistant turn, n = the turns that start within the prepared
+    rendering (runs of the loss mask), at most max_turns (None: no cap)."""
+    runs = sum(1 for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1]))
+    n, seen = min(runs, max_turns or runs), 0
+    for i, m in enumerate(messages):
+        seen += m["role"] == "assistant"
+        if seen == n:
+            return [dict(x) for x in messages[: i + 1]]
+    return [dict(x) for x in messages]
+
+
 def first_turn_only(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """Messages up to and including the first assistant turn (all of them when there is none)."""
     for i, m in enumerate(messages):
@@ -102,23 +116,29 @@ def write_pack(args: argparse.Namespace, params: Any, splits: Any, meta: dict) -
     """A prepared dataset's splits -> conversations.jsonl.xz and recipe.json under --out."""
     count = params.regenerate.max_conversations
     cut = params.regenerate.enabled and params.regenerate.max_turns == 1
+    answered = params.regenerate.enabled and params.regenerate.decoder == "static" and not cut
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = 0
     with lzma.open(out / "conversations.jsonl.xz", "wt", encoding="utf-8", preset=6) as f:
         for split in ("train", "val", "test"):
-            data = splits[split].select_columns(["id", "messages"])
+            data = splits[split].select_columns(["id", "messages", "loss_mask"])
             if split == "train" and count is not None:
                 data = data.select(range(min(count, len(data))))
             for row in data:
-                messages = first_turn_only(row["messages"]) if split == "train" and cut else row["messages"]
+                messages = row["messages"]
+                if split == "train" and cut:
+                    messages = first_turn_only(messages)
+                elif split == "train" and answered:
+                    messages = answered_turns(messages, row["loss_mask"], params.regenerate.max_turns)
                 f.write(json.dumps({"id": row["id"], "messages": messages}, ensure_ascii=False) + "\n")
                 rows += 1
     (out / "recipe.json").write_text(json.dumps({"mask_token_id": meta["mask_token_id"], "rows": rows,
                                                  "train_rows": min(count or len(splits["train"]), len(splits["train"])),
                                                  "prepared_meta": meta}, indent=1))
     size = (out / "conversations.jsonl.xz").stat().st_size
-    print(f"packed {rows} conversations ({'first turns' if cut else 'whole'} for train): {size / 2**20:.1f} MiB -> {out}")
+    kept = "first turns" if cut else "turns within max_length" if answered else "whole"
+    print(f"packed {rows} conversations ({kept} for train): {size / 2**20:.1f} MiB -> {out}")
 
 
 def recipe_params(args: argparse.Namespace, work: Path) -> Path:

@@ -105,7 +105,7 @@ def test_a_bad_preset_names_the_key_and_leaves_params_yaml_untouched(checkout, t
 
 
 def test_an_unknown_preset_lists_the_known_ones(checkout):
-    with pytest.raises(ParamsError, match="no preset 'qwen3-9b': params/ holds qwen3-8b, smollm2-h200"):
+    with pytest.raises(ParamsError, match="no preset 'qwen3-9b': params/ holds qwen3-8b, smollm2-h100-draft, smollm2-h200"):
         apply_preset("qwen3-9b", checkout)
 
 

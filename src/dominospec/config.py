@@ -111,6 +111,17 @@ class RegenerateParams:
     loop_ngram: Optional[int]  # None/0: keep repetition loops; n: cut a reply once an n-gram recurs
     loop_repeats: int  # ... `loop_repeats` times (>= 2); the reply keeps one copy of the loop
     num_threads: Optional[int]  # torch CPU threads while regenerating; null = torch's default
+    decoder: Literal["stream", "static"]  # stream: today's slot decoder; static: independent replies, batched (regenerate.static_decoder)
+    samples: int  # static: sampled replies per prompt at each of sample_temperatures, beside the main one (0 = none)
+    sample_temperatures: list[float]
+    magpie_prompts: int  # static: prompts the target writes itself from the template's user prefix (0 = none)
+    magpie_temperature: float
+    magpie_max_prompt_tokens: int
+    magpie_min_prompt_tokens: int
+    dedup: Literal["none", "tokens", "text"]  # static: drop repeated sequences (exact token ids, or normalised text)
+    chunk_replies: int  # static: replies per journaled chunk
+    prefill_tokens: int  # static: tokens per prefill forward
+    cuda_graphs: bool  # static on CUDA: one CUDA graph per decode-step shape
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Reply:
     stopped: bool  # ended on a stop token
     loop_cut: bool  # cut by the loop detector
     unfed: list[int]  # tail of `tokens` not in the slot's cache (the last token of a capped reply)
+    stop: Optional[int] = None  # the stop token it ended on (static decoder; None: not stopped, or not recorded)
 
 
 @dataclass
@@ -213,10 +214,15 @@ def next_tokens(logits: torch.Tensor, policy: DecodePolicy, generator: Optional[
     """logits [R, V] -> next token ids [R]: argmax, or a draw after temperature and top_p."""
     if policy.temperature == 0:
         return logits.argmax(-1)
-    logits = logits / policy.temperature
-    if policy.top_p < 1:
-        ordered, order = logits.sort(-1)  # ascending, as HF's TopPLogitsWarper
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - policy.top_p  # [R, V] the low tail outside top_p
-        drop[:, -1] = False  # keep at least the most likely token
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    logits = top_p_filter(logits / policy.temperature, policy.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [R, V] (after the temperature) -> the same with the low tail outside `top_p` at -inf (HF's order)."""
+    if top_p >= 1:
+        return logits
+    ordered, order = logits.sort(-1)  # ascending, as HF's TopPLogitsWarper
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p  # [R, V] the low tail outside top_p
+    drop[:, -1] = False  # keep at least the most likely token
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))

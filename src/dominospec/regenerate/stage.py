@@ -48,7 +48,8 @@ from dominospec.data.chat import TemplateError, TemplateKwargs, render_batch, sp
 from dominospec.data.code_prompts import CodePrompts, code_prompts
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
 from dominospec.regenerate.journal import Journal
-from dominospec.regenerate.replies import first_prompt_length, rewrite_conversations
+from dominospec.regenerate.replies import decode_policy, first_prompt_length, rewrite_conversations
+from dominospec.regenerate.sequences import regenerate_static
 from dominospec.engine.packed import pack_linears
 from dominospec.files import code_digest, replace_path, temp_sibling, write_json
 from dominospec.target import DTYPES, Target, load_target
@@ -60,6 +61,8 @@ def regenerate(params: Params) -> None:
     """Params -> `paths.regenerated` (dataset + meta.json) and `paths.metrics/regenerate.json`."""
     started = time.perf_counter()
     cfg = params.regenerate
+    if cfg.enabled:
+        _check(cfg)  # before anything is read: a bad key is named first
     splits, meta = read_dataset(params.paths.prepared)
     metrics_path = Path(params.paths.metrics) / "regenerate.json"
     if not cfg.enabled:
@@ -68,7 +71,6 @@ def regenerate(params: Params) -> None:
         summary["splits"] = {s: len(d) for s, d in splits.items()}
         write_json(metrics_path, {**summary, "seconds": round(time.perf_counter() - started, 2)})
         return
-    _check(cfg)
     # read before the target loads: a folder without functions is named before any decoding
     code = code_prompts(cfg.code_prompts_root, cfg.code_prompts) if cfg.code_prompts else None
     if cfg.num_threads:
@@ -80,6 +82,8 @@ def regenerate(params: Params) -> None:
             "re-run the prepare stage"
         )
     target.model.to(DTYPES[cfg.dtype])
+    if cfg.decoder == "static":
+        return _regenerate_static(params, target, splits, meta, code, metrics_path, started)
     if cfg.linear == "packed":
         pack_linears(target.model)  # CPU fp32/bf16 only; anything else is left as loaded
     max_length = int(meta["max_length"])
@@ -141,6 +145,40 @@ def regenerate(params: Params) -> None:
             "seconds": round(time.perf_counter() - started, 2),
         },
     )
+
+
+def _regenerate_static(params: Params, target: Target, splits: DatasetDict, meta: dict[str, Any],
+                       code: CodePrompts | None, metrics_path: Path, started: float) -> None:
+    """`regenerate.decoder: static` (regenerate.sequences) -> the dataset and metrics/regenerate.json."""
+    cfg = params.regenerate
+    train, val, report = regenerate_static(target, params, meta, splits, decode_policy(target, cfg), code,
+                                           work_dir(params.paths.regenerated))
+    regenerated = len(train)
+    out = dict(splits, train=train, **({} if val is None else {"val": val}))
+    out["train"], originals, original_skipped = with_originals(train, splits["train"], cfg, target.tokenizer,
+                                                               int(meta["max_length"]), int(meta["mask_token_id"]),
+                                                               params.target.chat_template_kwargs)
+    out = DatasetDict(out)
+    write_dataset(params.paths.regenerated, out, {**meta, "regenerated": regenerated, "original_train": originals,
+                                                  "code_train": report["sources"].get("code", {}).get("sequences", 0),
+                                                  "regenerated_val": 0 if val is None else len(val)})
+    shutil.rmtree(work_dir(params.paths.regenerated), ignore_errors=True)
+    sources = report.pop("sources")
+    train_sources = {k: v for k, v in sources.items() if k != "val"}
+    write_json(metrics_path, {
+        "enabled": True, "decoder": "static",
+        "conversations_regenerated": regenerated,  # train sequences labelled by the target, after dedup
+        "sequences_by_source": {k: v["sequences"] for k, v in train_sources.items()},
+        "original_conversations": originals, "original_skipped": dict(sorted(original_skipped.items())),
+        "tokens_generated": sum(v["tokens_generated"] for v in train_sources.values()),
+        **{key: sum(v[key] for v in train_sources.values()) for key in COUNTS},
+        **report, "sources": sources, "dedup": cfg.dedup, "max_turns": cfg.max_turns,
+        "samples": cfg.samples, "sample_temperatures": cfg.sample_temperatures,
+        "splits": {s: len(d) for s, d in out.items()}, "temperature": cfg.temperature,
+        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
+        "loop_ngram": cfg.loop_ngram or None, "device": str(target.device), "torch_threads": torch.get_num_threads(),
+        "seconds": round(time.perf_counter() - started, 2),
+    })  # fmt: skip
 
 
 def _regenerate_split(
@@ -337,5 +375,16 @@ def _check(cfg: RegenerateParams) -> None:
         raise UserError(f"regenerate.original_conversations must be >= 0 (0 = only rewritten ones), got {cfg.original_conversations}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise UserError(f"regenerate.max_conversations must be at least 1 or null, got {cfg.max_conversations}")
+    static = {"samples": cfg.samples, "magpie_prompts": cfg.magpie_prompts, "dedup": cfg.dedup != "none"}
+    if cfg.decoder == "stream" and any(static.values()):
+        raise UserError(f"regenerate.{next(k for k, v in static.items() if v)} needs regenerate.decoder: static "
+                        "(the stream decoder rewrites whole conversations)")
+    if cfg.samples < 0 or cfg.magpie_prompts < 0 or any(t <= 0 for t in cfg.sample_temperatures):
+        raise UserError("regenerate: samples and magpie_prompts must be >= 0 and every sample_temperature > 0, got "
+                        f"{cfg.samples}, {cfg.magpie_prompts}, {cfg.sample_temperatures}")
+    if min(cfg.chunk_replies, cfg.prefill_tokens, cfg.magpie_max_prompt_tokens) < 1 or cfg.magpie_temperature <= 0:
+        raise UserError("regenerate: chunk_replies, prefill_tokens and magpie_max_prompt_tokens must be >= 1 and "
+                        f"magpie_temperature > 0, got {cfg.chunk_replies}, {cfg.prefill_tokens}, "
+                        f"{cfg.magpie_max_prompt_tokens}, {cfg.magpie_temperature}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
         raise UserError(f"regenerate: temperature must be >= 0 and top_p in (0, 1], got {cfg.temperature}, {cfg.top_p}")
