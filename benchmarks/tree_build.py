@@ -49,6 +49,7 @@ def main() -> None:
     from common.record import environment, write_json
     from common.timing import log
     from dominospec.engine.domino_tree import TreeGrower
+    from dominospec.engine.graphs import DraftGraphs
 
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
@@ -69,8 +70,9 @@ def main() -> None:
         for nodes in [int(n) for n in args.budgets.split(",")]:
             kinds = [("torch ops", "torch", None), ("kernels", "triton", None)] + \
                 [(f"kernels, score cols {c}", "triton", int(c)) for c in args.score_cols.split(",") if c]
-            growers = {name: TreeGrower(model, embed, nodes, args.children, args.pool, B, V, dtype, device,
-                                        graphs=cuda, head_kernel=kernel, score_cols=cols)
+            growers = {name: TreeGrower(model, embed, nodes, args.children, args.pool, kernels=kernel == "triton",
+                                        graphs=DraftGraphs(B, H, V, dtype, device, True) if cuda else None,
+                                        score_cols=cols)
                        for name, kernel, cols in kinds}
             assert growers["kernels"].kernels is not None and growers["torch ops"].kernels is None
             trees = {name: grower.grow(z, base, x_start) for name, grower in growers.items()}  # captures

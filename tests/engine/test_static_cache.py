@@ -130,7 +130,7 @@ def test_params_switch_graphs_on_only_where_cuda_is(tmp_path):
     from pathlib import Path
 
     from dominospec.config import load_params
-    from dominospec.engine.runners import static_caches
+    from dominospec.engine.decoding import static_caches
     from dominospec.errors import UserError
 
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine

@@ -19,24 +19,30 @@ than a 7-row lookup, and auto-K's choices, and with them τ, follow the noise of
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from dominospec.engine.decoding import Decoding
 from dominospec.engine.policy import RoundCost
+from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
+
+if TYPE_CHECKING:
+    from dominospec.engine.draft_path import DraftPath
 
 REPEATS = 5
 
 
 @torch.inference_mode()
-def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, ids: torch.Tensor, num_draft: int,
-                       rows: int, draft_dtype: torch.dtype, now: Callable[[], float], repeats: int = REPEATS,
-                       shared: Optional[RoundCost] = None) -> RoundCost:
-    """An engine's runners (target KV, draft block or None; reset, with room for the prompt and `rows`
-    more), its draft head (engine.draft_head) and tree grower (or None), a prompt's
-    ids [T] on the device -> RoundCost (ms, minimum over `repeats`): verify costs for 1..`rows` rows,
-    chains of `num_draft`.
+def measure_round_cost(kv: TargetRunner, drafter: Optional[DraftRunner], path: Optional[DraftPath],
+                       decoding: Decoding, ids: torch.Tensor, now: Callable[[], float],
+                       shared: Optional[RoundCost] = None, repeats: int = REPEATS) -> RoundCost:
+    """An engine's runners (target KV, draft block or None; reset, with room for the prompt and the
+    widest verify more), its draft path (engine.draft_path: the head's chain and the tree's build;
+    None without a draft) and its Decoding, a prompt's ids [T] on the device -> RoundCost (ms,
+    minimum over `repeats`): verify costs for 1..R rows (R: the widest verify, x_start included),
+    chains of K_max.
     `now()` reads the wall clock after the device's queued work.
 
     `shared`: the cost another engine measured on the same target and draft (evaluate's modes side
@@ -44,12 +50,13 @@ def measure_round_cost(kv: Any, drafter: Any, head: Any, grower: Any, ids: torch
     they are, and only this engine's own chain step and tree build are measured: modes compared on the
     same prompts then choose their shapes from one measurement of the machine, not from two samples
     of its noise. A shared cost with fewer verify rows than this engine needs is measured afresh."""
-    T, K, R = ids.numel(), num_draft, rows  # R: the most rows a verify has
+    T, K, R = ids.numel(), decoding.k_max, decoding.max_verify + 1  # R: the most rows a verify has
+    head, grower = (path.head, path.grower) if path is not None else (None, None)
     if shared is not None and len(shared.verify) < R:
         shared = None
     _, features = kv.forward(ids[None], keep=1)
     if drafter is not None:
-        drafter.extend(features.to(draft_dtype))
+        drafter.extend(features.to(decoding.draft_dtype))
     shapes = runner_shapes(kv, R)  # r -> the rows its forward runs (a lean runner pads to its bucket)
     verify = {r: [] for r in sorted(set(shapes.values()))}
     draft_ms, chain_ms, build_ms = [], [], []

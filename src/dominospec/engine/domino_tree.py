@@ -47,11 +47,11 @@ import torch.nn.functional as F
 
 import functools
 
+from dominospec.engine.decoding import MAX_TREE_NODES  # noqa: F401 - the budget's limit, named beside the tree
 from dominospec.engine.draft_head import candidate_pool, pooled_head
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.verify_shape import Tree, pack_bits, words_for
 
-MAX_TREE_NODES = 256  # a budget's verify, 1 + 256 nodes + a lookup chain, fits the lean decoder's rows
 
 
 @dataclass(frozen=True)
@@ -199,44 +199,36 @@ MAX_KERNEL_POOL = 16384
 
 class TreeGrower:
     """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`. With
-    `graphs` (static caches on CUDA) the build runs on static input buffers, one CUDA graph per
-    (K, sampling) (engine.graphs): one replay a round, the verify's bitmask included; the tree is
-    then the graph's own output, valid until the next `grow` (a round verifies it before it drafts
-    again). With `graphs=False` the same function runs eagerly on the caller's tensors.
+    `graphs` (the engine's holder, engine.graphs.DraftGraphs: static caches) the build runs on its
+    static inputs, one CUDA graph per (K, sampling) when they are enabled: one replay a round, the
+    verify's bitmask included; the tree is then the graph's own output, valid until the next `grow`
+    (a round verifies it before it drafts again). Without them the same function runs eagerly on the
+    caller's tensors.
 
-    Which ops grow it: `head_kernel` triton (or auto on CUDA) grows greedy trees on the kernels
-    (`dominospec.kernels.tree_grow`, three launches a depth, the pool from `kernels.pool_select`)
-    where the GRU's input table fits and the pool is at most MAX_KERNEL_POOL; everything else
-    (sampling, no table, a wider pool) runs `grow_tree`'s torch ops, about four times the launches."""
+    Which ops grow it: with `kernels` (the resolve step's choice, engine.decoding) greedy trees grow
+    on the kernels (`dominospec.kernels.tree_grow`, three launches a depth, the pool from
+    `kernels.pool_select`) where the GRU's input table fits and the pool is at most MAX_KERNEL_POOL;
+    everything else (sampling, no table, a wider pool) runs `grow_tree`'s torch ops, about four
+    times the launches. `score_cols`: the kernels' score programs' pool columns (None: their rule)."""
 
-    def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int,
-                 block_size: int, vocab: int, dtype: torch.dtype, device: torch.device, graphs: bool,
-                 head_kernel: str = "torch", score_cols: Optional[int] = None):
-        from dominospec.engine.graphs import ShapeGraphs
-
+    def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int, kernels: bool,
+                 graphs: Optional[Any] = None, score_cols: Optional[int] = None):
         self.draft, self.embed_tokens = draft, embed_tokens
-        self.nodes, self.children, self.pool_size, self.graphs_on = nodes, children, pool_size, graphs
-        self.score_cols = score_cols  # the kernels' score programs' pool columns (None: kernels.tree_grow's rule)
-        hidden = int(draft.config.hidden_size)
-        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
-        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
-        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
-        self.kernels, self.pool = kernel_build(draft, embed_tokens, head_kernel, pool_size, vocab, dtype, device)
-        self.graphs = ShapeGraphs(self._build, graphs)
+        self.nodes, self.children, self.pool_size, self.score_cols = nodes, children, pool_size, score_cols
+        self.kernels, self.pool = kernel_build(draft, embed_tokens, pool_size) if kernels else (None, None)
+        self.inputs = graphs.inputs if graphs is not None else None
+        self.graphs = graphs.graphs("tree build", self._build) if graphs is not None else None
 
     def grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
              sampling: Sampling = Sampling()) -> DraftTree:
-        if not self.graphs_on:
+        if self.graphs is None:
             return self._grow(z, base_logits, x_start, sampling)
-        K = z.shape[0]
-        self.z[:K].copy_(z)
-        self.base[:K].copy_(base_logits)
-        self.x_start.copy_(x_start.reshape(1))
-        return self.graphs.run((K, sampling))
+        return self.graphs.run((self.inputs.fill(z, base_logits, x_start), sampling))
 
     def _build(self, key: tuple):
         K, sampling = key
-        return lambda: self._grow(self.z[:K], self.base[:K], self.x_start, sampling)
+        inputs = self.inputs
+        return lambda: self._grow(inputs.z[:K], inputs.base[:K], inputs.x_start, sampling)
 
     def _grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling) -> DraftTree:
         if self.kernels is not None and sampling.greedy:
@@ -252,16 +244,16 @@ class TreeGrower:
                          self.pool_size, sampling)
 
 
-def kernel_build(draft: Any, embed_tokens: Any, head_kernel: str, pool_size: int, vocab: int, dtype: torch.dtype,
-                 device: torch.device) -> tuple[Any, Any]:
-    """`engine.head_kernel` -> (the head prepared for the build, kernels.tree_grow.TreeWeights; the
-    pool selection's workspace or None), or (None, None) where the tree grows with torch ops (TreeGrower)."""
-    from dominospec.engine.head_kernels import prepare_head_kernels, triton_usable
+def kernel_build(draft: Any, embed_tokens: Any, pool_size: int) -> tuple[Any, Any]:
+    """The draft (its head's vocabulary V, dtype and device) -> (the head prepared for the build,
+    kernels.tree_grow.TreeWeights; the pool selection's workspace or None), or (None, None) where the
+    tree grows with torch ops all the same (TreeGrower)."""
+    from dominospec.engine.head_kernels import prepare_head_kernels
 
-    if head_kernel == "auto":
-        head_kernel = "triton" if triton_usable(device) else "torch"
+    w2 = draft.embed_proj[2].weight  # [V, r]
+    vocab, dtype, device = w2.shape[0], w2.dtype, w2.device
     pooled = 0 < pool_size < vocab
-    if head_kernel != "triton" or (pool_size if pooled else vocab) > MAX_KERNEL_POOL:
+    if (pool_size if pooled else vocab) > MAX_KERNEL_POOL:
         return None, None
     from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
     from dominospec.kernels.tree_grow import tree_weights

@@ -29,12 +29,16 @@ the CPU on torch ops. DominoTree's tree is grown elsewhere (engine.domino_tree).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels, triton_usable
+from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels
 from dominospec.engine.sampling import Sampling
+
+if TYPE_CHECKING:
+    from dominospec.engine.decoding import Decoding
+    from dominospec.engine.graphs import DraftGraphs
 
 
 @dataclass
@@ -67,10 +71,22 @@ def pooled_head(draft: Any, base_logits: torch.Tensor, cand: Optional[torch.Tens
     return w2.index_select(0, cand), base_logits.index_select(1, cand)
 
 
+@dataclass(frozen=True)
+class HeadOps:
+    """How one head drafts a chain, chosen once when the head is made (as models.lean's DecoderOps are):
+    greedy(z [K, H], u [K, V], x_start [1], want) -> DraftChain (`want`: the beliefs q_j(d_j) too);
+    sampled(z, u, x_start, sampling, generator) -> DraftChain with q [K, V]; name: which ops."""
+
+    greedy: Callable[..., DraftChain]
+    sampled: Callable[..., DraftChain]
+    name: str
+
+
 class DraftHead:
     """One engine's way of drafting a block (module docstring). `corrects`: the Domino head runs
     (domino, dominotree); `kernels`: the head prepared for the Triton kernels or None;
-    `graphs`: their greedy rollouts on static buffers or None."""
+    `graphs`: their greedy rollouts on static buffers or None; `sampled`: the sampled chain's graphs
+    or None. Which ops run is chosen once, here (`ops`)."""
 
     def __init__(self, draft: Any, embed_tokens: Any, corrects: bool, pool_size: int, kernels: Any = None,
                  graphs: Optional[RolloutGraphs] = None, sampled: Optional["SampledChains"] = None):
@@ -79,6 +95,20 @@ class DraftHead:
         self.P = int(draft.config.pure_draft_prefix_len)
         if sampled is not None:
             sampled.head = self
+        self.ops = self.choose_ops()
+
+    def choose_ops(self) -> HeadOps:
+        """The head's ops: independent rows (head off); a greedy chain as one graph, on the kernels or
+        on torch ops; a sampled chain as one graph, or drawn eagerly."""
+        if not self.corrects:  # independent draws: all K rows at once
+            return HeadOps(lambda z, u, x, want: _draw_rows(u, Sampling(), None, want),
+                           lambda z, u, x, sampling, generator: _draw_rows(u, sampling, generator, True), "rows")
+        sampled = self.sampled.chain if self.sampled is not None else self.noisy_chain
+        if self.graphs is not None:  # the whole rollout, pool selection included, as one graph
+            return HeadOps(self.graphed_chain, sampled, "graphs")
+        if self.kernels is not None:  # the whole rollout on device, the pool's selection fused
+            return HeadOps(self.kernel_chain, sampled, "kernels")
+        return HeadOps(self.torch_chain, sampled, "torch")
 
     def pool(self, base_logits: torch.Tensor) -> Optional[torch.Tensor]:
         """u [K, V] -> the block's candidate pool ids [M], or None (full vocabulary)."""
@@ -88,27 +118,35 @@ class DraftHead:
               generator: Optional[torch.Generator], confidence: bool) -> DraftChain:
         """z [K, H], u [K, V], x_start [1] -> DraftChain of K tokens (`confidence`: greedy chains
         compute q_j(d_j) only when asked, a softmax per step)."""
-        want = confidence or not sampling.greedy
-        if not self.corrects:  # independent draws: all K rows at once
-            return _draw_rows(base_logits, sampling, generator, want)
-        if sampling.greedy and self.graphs is not None:  # the whole rollout, pool selection included, as one graph
-            tokens, belief = self.graphs.chain(z, base_logits, x_start, want)
-            return DraftChain(tokens, None, belief)
-        if sampling.greedy and self.kernels is not None:  # the whole rollout on device, the pool's selection fused
-            from dominospec.kernels.head_rollout import head_rollout
-            from dominospec.kernels.pool_select import pool_select
+        if sampling.greedy:
+            return self.ops.greedy(z, base_logits, x_start, confidence)
+        return self.ops.sampled(z, base_logits, x_start, sampling, generator)
 
-            chain = head_rollout(self.kernels, z, base_logits, x_start, pool_select(base_logits, self.P, self.pool_size),
-                                 confidence=want)
-            return DraftChain(chain.tokens, None, chain.confidence)
-        if sampling.greedy and not want:
+    def graphed_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                      want: bool) -> DraftChain:
+        tokens, belief = self.graphs.chain(z, base_logits, x_start, want)
+        return DraftChain(tokens, None, belief)
+
+    def kernel_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                     want: bool) -> DraftChain:
+        from dominospec.kernels.head_rollout import head_rollout
+        from dominospec.kernels.pool_select import pool_select
+
+        chain = head_rollout(self.kernels, z, base_logits, x_start, pool_select(base_logits, self.P, self.pool_size),
+                             confidence=want)
+        return DraftChain(chain.tokens, None, chain.confidence)
+
+    def torch_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                    want: bool) -> DraftChain:
+        if not want:
             out = self.draft.rollout(z, base_logits, x_start, self.embed_tokens, pool=self.pool(base_logits),
                                      keep_logits=False)
             return DraftChain(out.tokens, None, None)
-        if sampling.greedy:
-            return self.drawn_chain(z, base_logits, x_start, sampling, None)
-        if self.sampled is not None:  # the whole sampled rollout as one graph, its noise drawn first
-            return self.sampled.chain(z, base_logits, x_start, sampling, generator)
+        return self.drawn_chain(z, base_logits, x_start, Sampling(), None)
+
+    def noisy_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
+                    generator: Optional[torch.Generator]) -> DraftChain:
+        """The sampled chain drawn eagerly, its uniforms drawn first."""
         noise = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
         return self.drawn_chain(z, base_logits, x_start, sampling, noise.uniform_(generator=generator))
 
@@ -134,61 +172,57 @@ class DraftHead:
         return DraftChain(out.tokens, torch.stack(draws.probs) if draws.probs else None, torch.stack(draws.beliefs))
 
 
-def draft_head(draft: Any, embed_tokens: Any, mode: str, head_kernel: str, pool_size: int, static_cache: bool,
-               cuda_graphs: bool, block_size: int, dtype: torch.dtype, device: torch.device) -> DraftHead:
-    """The engine's DraftHead: `engine.head_kernel` (torch | triton | auto: Triton where it runs
-    compiled, a CUDA draft) decides the kernels for `domino`'s greedy rollouts, and static caches
-    their CUDA graphs (replayed when `cuda_graphs`, eager otherwise); with both, a sampled chain of
-    `domino` replays one graph too (`SampledChains`). `dominotree` grows its tree on its own
-    (engine.domino_tree), and `dflash` runs no head."""
-    corrects = mode in ("domino", "dominotree")
-    if head_kernel == "auto":
-        head_kernel = "triton" if triton_usable(draft.embed_proj[2].weight.device) else "torch"
+def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Optional[DraftGraphs]) -> DraftHead:
+    """The engine's DraftHead (engine.decoding): a corrected chain on the Triton kernels where the resolve
+    step chose them, their greedy rollouts as graphs on static caches (`graphs`, the engine's holder:
+    replayed when it is enabled, eager otherwise); with graphs replayed, a sampled corrected chain
+    replays one graph too (`SampledChains`). DominoTree grows its tree on its own (engine.domino_tree),
+    and the head off runs no head."""
+    d = decoding
+    chain = d.head and not d.tree
     sampled = None
-    if mode == "domino" and static_cache and cuda_graphs:
-        sampled = SampledChains(block_size, draft.config.hidden_size, int(draft.config.vocab_size), dtype, device,
-                                enabled=True)
-    if mode != "domino" or head_kernel != "triton":
-        return DraftHead(draft, embed_tokens, corrects, pool_size, sampled=sampled)
+    if chain and graphs is not None and graphs.enabled:
+        B, H = graphs.inputs.z.shape
+        sampled = SampledChains(B, H, graphs.inputs.base.shape[1], d.draft_dtype, graphs.inputs.z.device, True,
+                                holder=graphs)
+    if not d.head_chain_kernels:
+        return DraftHead(draft, embed_tokens, d.head, d.pool, sampled=sampled)
     kernels = prepare_head_kernels(draft, embed_tokens)
-    graphs = None
-    if static_cache:
-        graphs = RolloutGraphs(kernels, block_size, draft.config.hidden_size, kernels.w2.shape[0], dtype, device,
-                               pool_size, enabled=cuda_graphs)
-    return DraftHead(draft, embed_tokens, corrects, pool_size, kernels, graphs, sampled)
+    rollouts = None
+    if graphs is not None:
+        inputs = graphs.inputs
+        rollouts = RolloutGraphs(kernels, inputs.z.shape[0], inputs.z.shape[1], kernels.w2.shape[0], d.draft_dtype,
+                                 inputs.z.device, d.pool, graphs.enabled, holder=graphs)
+    return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, rollouts, sampled)
 
 
 class SampledChains:
-    """The sampled chain's rollout as one CUDA graph per (K, sampling) (engine.graphs.ShapeGraphs): the
-    head's `drawn_chain` on static buffers z [B, H], u [B, V], x_start [1] and noise [B, V], which
+    """The sampled chain's rollout as one CUDA graph per (K, sampling) (engine.graphs.DraftGraphs): the
+    head's `drawn_chain` on the static inputs z [B, H], u [B, V], x_start [1] and noise [B, V], which
     `chain` fills (the noise from the request's generator, as the eager path draws it: the same
     generator gives the same draft). The chain it returns is the graph's own output, valid until the
     next sampled chain (a round verifies it before it drafts again). `enabled` False runs the same
-    function eagerly on the buffers."""
+    function eagerly on the buffers. `holder`: the engine's graph holder (default: its own)."""
 
     def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
-                 enabled: bool):
-        from dominospec.engine.graphs import ShapeGraphs
+                 enabled: bool, holder: Optional[Any] = None):
+        from dominospec.engine.graphs import DraftGraphs
 
-        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)
-        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
-        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
-        self.noise = torch.full((block_size, vocab), 0.5, dtype=torch.float32, device=device)
+        holder = holder or DraftGraphs(block_size, hidden, vocab, dtype, device, enabled)
+        self.inputs = holder.inputs
         self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (the head sets it)
-        self.graphs = ShapeGraphs(self._build, enabled)
+        self.graphs = holder.graphs("sampled chain", self._build)
 
     def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
               generator: Optional[torch.Generator]) -> DraftChain:
-        K = z.shape[0]
-        self.z[:K].copy_(z)
-        self.base[:K].copy_(base_logits)
-        self.x_start.copy_(x_start.reshape(1))
-        self.noise[:K].uniform_(generator=generator)
+        K = self.inputs.fill(z, base_logits, x_start)
+        self.inputs.noise[:K].uniform_(generator=generator)
         return self.graphs.run((K, sampling))
 
     def _build(self, key: tuple):
         K, sampling = key
-        return lambda: self.head.drawn_chain(self.z[:K], self.base[:K], self.x_start, sampling, self.noise[:K])
+        inputs = self.inputs
+        return lambda: self.head.drawn_chain(inputs.z[:K], inputs.base[:K], inputs.x_start, sampling, inputs.noise[:K])
 
 
 class _Draws:

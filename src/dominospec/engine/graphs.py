@@ -91,3 +91,52 @@ class FixedRows:
     def check_room(self, rows: int) -> None:
         if self.length + rows > self.capacity:
             raise ValueError(f"{self.what} full: {self.length} + {rows} rows > capacity {self.capacity}")
+
+
+class BlockInputs:
+    """A draft block's static inputs, which the head's and the tree's graphs read: z [B, H] and u [B, V]
+    in the draft path's dtype, x_start [1], and the sampled chain's uniforms noise [B, V] float32
+    (made on first use). Rows 0..K-1 hold a block of K drafts."""
+
+    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)
+        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self._noise: Any = None
+
+    @property
+    def noise(self) -> torch.Tensor:
+        if self._noise is None:
+            self._noise = torch.full(self.base.shape, 0.5, dtype=torch.float32, device=self.base.device)
+        return self._noise
+
+    def fill(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor) -> int:
+        """z [K, H], u [K, V], x_start [1] copied in -> K."""
+        K = z.shape[0]
+        self.z[:K].copy_(z)
+        self.base[:K].copy_(base_logits)
+        self.x_start.copy_(x_start.reshape(1))
+        return K
+
+
+class DraftGraphs:
+    """The one holder of the draft's graphs beside its runners': the block's static inputs
+    (`BlockInputs`) and one `ShapeGraphs` per function captured on them, by name (the head's greedy
+    rollout, the sampled chain, the tree's build). `enabled` False runs every one eagerly on the
+    inputs. A round fills the inputs, then replays one of them: its outputs are valid until the
+    next replay of that function."""
+
+    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                 enabled: bool):
+        self.inputs = BlockInputs(block_size, hidden, vocab, dtype, device)
+        self.enabled = enabled
+        self.sets: dict[str, ShapeGraphs] = {}
+
+    def graphs(self, name: str, build: Callable[[Hashable], Callable[[], Any]]) -> ShapeGraphs:
+        """A new set of graphs `name`, of `build(key)` over the inputs."""
+        self.sets[name] = ShapeGraphs(build, self.enabled)
+        return self.sets[name]
+
+    def failures(self) -> dict[str, str]:
+        """Shapes whose capture failed (they run eagerly) -> the error, by name and key."""
+        return {f"{name} {key}": err for name, graphs in self.sets.items() for key, err in graphs.failures.items()}

@@ -60,13 +60,10 @@ class RolloutGraphs:
     """
 
     def __init__(self, weights: Any, block_size: int, hidden: int, vocab: int, dtype: torch.dtype,
-                 device: torch.device, pool_size: int, enabled: bool):
-        from dominospec.engine.graphs import ShapeGraphs
+                 device: torch.device, pool_size: int, enabled: bool, holder: Optional[Any] = None):
+        from dominospec.engine.graphs import DraftGraphs
 
         self.weights, self.pool_size = weights, pool_size
-        self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)  # static inputs, rows 0..K-1 used
-        self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
-        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
         self.pool = None  # the pool selection's buffers (kernels.pool_select.PoolWorkspace), when there is a pool
         if 0 < pool_size < vocab:
             from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
@@ -75,7 +72,9 @@ class RolloutGraphs:
                 raise UserError(f"engine.candidate_pool with engine.head_kernel: triton selects the pool over "
                                 f"bfloat16, float16 or float32 base logits, not {dtype} (set engine.draft_dtype)")
             self.pool = pool_workspace(vocab, pool_size, dtype, device)
-        self.graphs = ShapeGraphs(self._build, enabled)
+        holder = holder or DraftGraphs(block_size, hidden, vocab, dtype, device, enabled)  # the engine's, or its own
+        self.inputs = holder.inputs  # static inputs, rows 0..K-1 used
+        self.graphs = holder.graphs("head rollout", self._build)
 
     def _build(self, key: tuple):
         from dominospec.kernels.head_rollout import head_rollout
@@ -85,20 +84,14 @@ class RolloutGraphs:
         K, confidence = key
 
         def rollout():
-            cand = pool_select(self.base[:K], P, self.pool_size, self.pool)  # [M] ascending, or None
-            chain = head_rollout(self.weights, self.z[:K], self.base[:K], self.x_start, cand, confidence=confidence)
+            z, base, x_start = self.inputs.z[:K], self.inputs.base[:K], self.inputs.x_start
+            cand = pool_select(base, P, self.pool_size, self.pool)  # [M] ascending, or None
+            chain = head_rollout(self.weights, z, base, x_start, cand, confidence=confidence)
             return chain.tokens, chain.confidence
 
         return rollout
 
     def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
               confidence: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self._fill(z, base_logits, x_start)
-        tokens, belief = self.graphs.run((z.shape[0], confidence))
+        tokens, belief = self.graphs.run((self.inputs.fill(z, base_logits, x_start), confidence))
         return tokens.clone(), None if belief is None else belief.clone()
-
-    def _fill(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor) -> None:
-        K = z.shape[0]
-        self.z[:K].copy_(z)
-        self.base[:K].copy_(base_logits)
-        self.x_start.copy_(x_start.reshape(1))

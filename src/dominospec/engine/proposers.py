@@ -13,7 +13,7 @@ three things and never looks at the mode:
 - `DraftChains` (`dflash`, `domino` with engine.tree.shape chain): the draft's chain, cut where its
   confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces the draft, or,
   forking (greedy), is verified beside it. Auto-K chooses (K, L) together (`choose_fork`), or K alone.
-- `DraftTree` (`domino` with best_first, the default; `dominotree`): the best-first tree
+- `BestFirstTrees` (`domino` with best_first, the default; `dominotree`): the best-first tree
   (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup
   beside it as in `DraftChains`.
 Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 
+from dominospec.engine.decoding import Decoding
 from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_fork, choose_k
 from dominospec.engine.proposal import Proposal, best_first, chains
 from dominospec.engine.sampling import Sampling
@@ -67,11 +68,6 @@ class Proposer:
         self.acceptance = AcceptanceModel(self.num_draft, self.window)
         self.lookup_acceptance: Optional[AcceptanceModel] = (AcceptanceModel(self.lookup_k_max, self.window)
                                                               if self.lookup_k_max else None)
-
-    @property
-    def max_rows(self) -> int:
-        """The most tokens one round verifies."""
-        return max(self.num_draft, self.lookup_k_max)
 
     def lookup(self, state: Any, room: int, greedy: bool) -> tuple[list[int], bool]:
         """-> (the prompt-lookup tokens this round may verify, [] without a hit or lookups; whether they
@@ -144,10 +140,6 @@ class DraftChains(Proposer):
         self.head, self.confidence_cut = head, confidence_cut
         super().__init__(**shared)
 
-    @property
-    def max_rows(self) -> int:
-        return self.num_draft + self.lookup_k_max if self.fork else max(self.num_draft, self.lookup_k_max)
-
     def plan(self, state: Any, room: int, greedy: bool) -> Plan:
         lookup, fork = self.lookup(state, room, greedy)
         if lookup and not fork:
@@ -196,7 +188,7 @@ class DraftChains(Proposer):
 REPLAN_ROUNDS = 4  # auto-budget re-solves DominoTree's plan every this many rounds (its model's window is ~64)
 
 
-class DraftTree(Proposer):
+class BestFirstTrees(Proposer):
     """`domino` with best_first (`dominotree`): the best-first tree's best n nodes, and a lookup. Auto-budget's plan (the tree
     model's survival and `choose_nodes`, about 0.15 ms of host time a round on a GPU host) is solved
     once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the model moves by
@@ -211,10 +203,6 @@ class DraftTree(Proposer):
         self.tree_model = TreeModel(self.nodes, self.num_draft, self.window)
         self.plans: dict[int, tuple[int, int]] = {}  # lookup length -> (n, K_l), since the last re-solve
         self.since_solve = 0  # rounds the model has learned since `plans` was cleared
-
-    @property
-    def max_rows(self) -> int:
-        return self.nodes + self.lookup_k_max if self.fork else max(self.nodes, self.lookup_k_max)
 
     def plan(self, state: Any, room: int, greedy: bool) -> Plan:
         lookup, fork = self.lookup(state, room, greedy)
@@ -264,3 +252,16 @@ class DraftTree(Proposer):
             if self.since_solve >= REPLAN_ROUNDS:
                 self.plans.clear()
                 self.since_solve = 0
+
+
+def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device) -> Proposer:
+    """The engine's proposer, chosen once from its Decoding (engine.decoding): the head's chain or
+    DominoTree's build (engine.draft_path) where a draft drafts, the lookup alone, or plain steps."""
+    d = decoding
+    shared = dict(num_draft=d.k_max, lookup_k_max=d.lookup.k_max, window=d.window, auto=d.auto, fork=d.lookup.fork,
+                  device=device)
+    if d.tree:
+        return BestFirstTrees(grower, d.nodes, **shared)
+    if d.drafting:
+        return DraftChains(head, d.cut, **shared)
+    return (LookupSteps if d.lookup.k_max else PlainSteps)(**shared)

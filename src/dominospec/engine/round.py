@@ -18,16 +18,31 @@ accepted), so after every round: target KV length == draft context + pending == 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from dominospec.engine.accept import accept
 from dominospec.engine.clock import PhaseClock
 from dominospec.engine.ngram import NgramIndex
+from dominospec.engine.proposers import Proposer
+from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
+from dominospec.engine.stats import GenerationStats
 from dominospec.engine.stops import admit
 from dominospec.engine.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a generation asks of every round: at most `budget` new tokens, drawn by `sampling` (with
+    `generator`), ending at any of `stop_ids`."""
+
+    budget: int
+    sampling: Sampling
+    generator: Optional[torch.Generator]
+    stop_ids: frozenset[int]
 
 
 class RoundState:
@@ -35,7 +50,8 @@ class RoundState:
     the context's n-gram index (prompt lookups, engine.ngram) and the rounds' phase clock (engine.clock;
     `events`: the engine's pool of CUDA events)."""
 
-    def __init__(self, kv: Any, drafter: Any, device: torch.device, events: Optional[list] = None):
+    def __init__(self, kv: TargetRunner, drafter: Optional[DraftRunner], device: torch.device,
+                 events: Optional[list] = None):
         self.kv, self.drafter, self.device = kv, drafter, device  # engine.runners' pair
         self.pending: list[torch.Tensor] = []  # [1, rows, n*H] each; drafter.length + rows == kv.length
         self.index: Optional[NgramIndex] = None  # None: no prompt lookups this generation
@@ -68,13 +84,14 @@ class RoundState:
             self.drafter.extend(features)
 
 
-def play_round(proposer: Any, state: RoundState, tokens: list[int], start: int, budget: int, sampling: Sampling,
-               generator: Optional[torch.Generator], stats: Any, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
-    """The round (module docstring): `tokens` (committed so far) grows by the m tokens committed ->
-    (m, finish reason or None)."""
+def play_round(proposer: Proposer, state: RoundState, tokens: list[int], start: int, request: Request,
+               stats: GenerationStats) -> tuple[int, Optional[str]]:
+    """The round (module docstring) at position `start`: `tokens` (committed so far) grows by the m
+    tokens committed -> (m, finish reason or None)."""
+    sampling, generator = request.sampling, request.generator
     x_start = torch.tensor([tokens[-1]], device=state.device)
     with state.clock.round(stats) as timer:
-        plan = proposer.plan(state, budget - len(tokens) - 1, sampling.greedy)
+        plan = proposer.plan(state, request.budget - len(tokens) - 1, sampling.greedy)
         timer.begin(device=plan.drafts > 0)  # drafting rounds queue work the host does not wait for: CUDA events
         with timer.phase("draft"):
             block = state.drafter.block(state.take_pending(), x_start, start, plan.drafts) if plan.drafts else None
@@ -86,17 +103,17 @@ def play_round(proposer: Any, state: RoundState, tokens: list[int], start: int, 
             with timer.waiting():
                 accepted = accept(ids, proposal.parents, proposal.q, logits[0], sampling, generator)
             verdict = Verdict(accepted, features, proposal)
-            m, reason = commit(state, tokens, verdict, start, budget, stop_ids)
+            m, reason = commit(state, tokens, verdict, start, request)
         timer.drafted = plan.drafts > 0 or bool(plan.lookup)
     proposer.learn(plan, verdict, m, stats)
     return m, reason
 
 
-def commit(state: RoundState, tokens: list[int], verdict: Verdict, start: int, budget: int,
-           stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
+def commit(state: RoundState, tokens: list[int], verdict: Verdict, start: int,
+           request: Request) -> tuple[int, Optional[str]]:
     """The verdict's tokens (stop tokens and the budget admitted) onto `tokens`; the target KV and the
     pending features keep exactly their rows (row 0 first) -> (m, finish reason)."""
-    m, reason = admit(tokens, verdict.tokens, budget, stop_ids)
+    m, reason = admit(tokens, verdict.tokens, request.budget, request.stop_ids)
     tokens += verdict.tokens[:m]
     state.kv.select(verdict.rows[:m])  # a path off the first chain: its rows into place
     state.kv.crop(start + m)  # keep x_start, then the first m-1 accepted tokens

@@ -1,15 +1,15 @@
 """The runners one engine decodes on, chosen once: dynamic caches, static caches (CUDA graphs on a
 GPU, transformers' forward), or the lean decoder (models.lean, its own caches and kernels).
 
-`static_caches(params)` -> (static caches, CUDA graphs): what `engine.cuda_graphs` gives on this
-machine, decided before the draft path, whose rollout and tree graphs follow it too.
+Whether the caches are static, their graphs replayed and the target lean is the resolve step's
+(engine.decoding: `static_caches`, `lean_target`), decided before the draft path, whose rollout and
+tree graphs follow it too.
 `EngineRunners.pair(rows)` -> (target KV runner, draft block runner or None), reset, for a
 generation of at most `rows` positions:
 - static caches (`engine.cuda_graphs` static | on) when `rows` fit `graph_capacity`: the smallest
   capacity bucket that holds them (`static_buckets`), built and captured on first use and kept;
 - dynamic caches otherwise (a longer generation, or `cuda_graphs: off`).
-The lean decoder (`engine.lean_target`) replaces transformers' forward on the static caches: "on"
-insists (an error names what does not fit), "auto" takes it on CUDA where the target is supported.
+The lean decoder (`engine.lean_target`) replaces transformers' forward on the static caches.
 `capture` runs every shape of a bucket once beforehand (the verify, the draft block, the draft's
 rollouts and tree), and `graph_failures` names the shapes whose capture failed, all of them.
 """
@@ -20,35 +20,19 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from dominospec.config import EngineParams
+from dominospec.engine.decoding import Decoding
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
-from dominospec.engine.verify_shape import MAX_TREE_ROWS
-from dominospec.errors import UserError
-from dominospec.models.lean import DecoderOps, LeanDecoder, unsupported
+from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.target import Target
 
 if TYPE_CHECKING:
     from dominospec.engine.draft_path import DraftPath
 
 MIN_BUCKET = 256  # the smallest static-cache capacity (rows); see static_buckets
-
-
-def static_caches(cfg: EngineParams) -> tuple[bool, bool]:
-    """engine.cuda_graphs -> (static caches, CUDA graphs replayed on them) on this machine: `on` both
-    (CUDA only), `auto` both where CUDA is, `static` the caches with eager forwards (any device),
-    `off` neither."""
-    if cfg.graph_capacity < 16:
-        raise UserError(f"engine.graph_capacity must be >= 16 rows, got {cfg.graph_capacity}")
-    if cfg.cuda_graphs == "on" and not torch.cuda.is_available():
-        raise UserError("engine.cuda_graphs: on needs a CUDA GPU; set engine.cuda_graphs: auto or off on this machine")
-    if cfg.cuda_graphs == "static":
-        return True, False
-    graphs = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and torch.cuda.is_available())
-    return graphs, graphs
 
 
 def static_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
@@ -74,56 +58,39 @@ def lean_decoder(target: Target, triton: bool) -> LeanDecoder:
 
 
 class EngineRunners:
-    """One engine's runners (module docstring). `max_rows`: the widest forward after the prompt (the
-    verify of x_start and a round's proposal, or the draft block); `static`, `graphs`: `static_caches`;
-    `path`: the draft as the engine runs it (engine.draft_path; None without a draft), whose model,
-    LM head, MASK embeddings and target layers the draft block runners take. The target's lean
-    decoder is the target's (`lean_decoder`, shared by its engines); the draft's lean backbone is
-    this engine's own."""
+    """One engine's runners (module docstring), as its Decoding says (engine.decoding): static caches of
+    `capacity` rows, their graphs, the lean decoder. `path`: the draft as the engine runs it
+    (engine.draft_path; None without a draft), whose model, LM head, MASK embeddings and target layers
+    the draft block runners take, and whose graph holder `capture` and `graph_failures` reach. The
+    target's lean decoder is the target's (`lean_decoder`, shared by its engines); the draft's lean
+    backbone is this engine's own."""
 
-    def __init__(self, target: Target, params: EngineParams, max_rows: int, device: torch.device, static: bool,
-                 graphs: bool, packed: bool, embed_tokens: Any = None, path: Optional["DraftPath"] = None):
-        self.target, self.model = target, target.model
-        self.params, self.max_rows, self.device = params, max_rows, device
-        self.static, self.graphs = static, graphs
-        self.embed_tokens = embed_tokens
-        self.draft = self.draft_lm_head = self.mask_embeds = self.head = self.grower = None
+    def __init__(self, target: Target, decoding: Decoding, path: Optional["DraftPath"] = None):
+        self.target, self.model, self.device = target, target.model, target.device
+        self.decoding, self.max_rows = decoding, decoding.max_rows
+        self.static, self.graphs = decoding.static, decoding.graphs
+        self.embed_tokens = target.embed_tokens
+        self.path = path
+        self.draft = self.draft_lm_head = self.mask_embeds = None
         self.layer_ids: list[int] = []
-        self.block_size = 0
         if path is not None:
             self.draft, self.draft_lm_head, self.mask_embeds = path.model, path.lm_head, path.mask_embeds
-            self.head, self.grower = path.head, path.grower  # their rollouts' graphs: `capture`, `graph_failures`
-            self.layer_ids, self.block_size = list(path.layer_ids), path.block_size
+            self.layer_ids = list(path.layer_ids)
         self.buckets: dict[int, tuple] = {}  # capacity -> (target runner, draft runner or None), built on first use
         self.last: tuple = (None, None)  # the pair the current (or last) generation runs on
         self.lean = self.lean_draft = None
-        self.choose_lean(packed)
-
-    def choose_lean(self, packed: bool) -> None:
-        choice = self.params.lean_target
-        if choice not in ("on", "off", "auto"):
-            raise UserError(f"engine.lean_target must be on, off or auto, got {choice!r}")
-        if choice == "off" or not self.static:
-            return
-        problem = (unsupported(self.model) or (self.max_rows > MAX_TREE_ROWS and
-                                               f"its widest round verifies {self.max_rows} rows, over {MAX_TREE_ROWS}")
-                   or (packed and "the draft path's linears are packed for oneDNN (engine.linear)"))
-        if choice == "auto" and (problem or self.device.type != "cuda"):
-            return
-        if problem:
-            raise UserError(f"engine.lean_target: on, but this engine cannot use it: {problem} "
-                            "(lower engine.tree.nodes / ngram_num_draft, or set lean_target: auto)")
-        triton = self.device.type == "cuda"
-        self.lean = lean_decoder(self.target, triton)
-        if self.draft is not None:
-            self.lean_draft = LeanDraft(self.draft, DecoderOps.on(triton))
+        if decoding.lean:
+            triton = self.device.type == "cuda"
+            self.lean = lean_decoder(target, triton)
+            if self.draft is not None:
+                self.lean_draft = LeanDraft(self.draft, DecoderOps.on(triton))
 
     def capacities(self) -> list[int]:
         """The static caches' capacity buckets (`static_buckets`)."""
-        return static_buckets(self.params.graph_capacity, MIN_BUCKET)
+        return static_buckets(self.decoding.capacity, MIN_BUCKET)
 
     def fits_static(self, rows: int) -> bool:
-        return self.static and rows <= self.params.graph_capacity
+        return self.static and rows <= self.decoding.capacity
 
     def pair(self, rows: int) -> tuple[Any, Any]:
         """A generation of at most `rows` positions -> (target KV runner, draft block runner or None), reset."""
@@ -176,14 +143,14 @@ class EngineRunners:
             return
         drafter.extend(features[:, :1])
         x_start = ids[0, :1]
-        for S in range(self.block_size + 1):
-            z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S,
-                                           self.block_size)
+        B = self.decoding.block_size
+        for S in range(B + 1):
+            z, base_logits = drafter.block(features[:, :1].expand(1, S, -1) if S else None, x_start, 1 + S, B)
             drafter.crop(1)
         for K in range(1, num_draft + 1):
-            self.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.params.confidence_cut > 0)
-            if self.grower is not None:
-                self.grower.grow(z[:K], base_logits[:K], x_start)
+            self.path.head.chain(z[:K], base_logits[:K], x_start, Sampling(), None, self.decoding.cut > 0)
+            if self.path.grower is not None:
+                self.path.grower.grow(z[:K], base_logits[:K], x_start)
 
     def capture_all(self, num_draft: int) -> None:
         """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
@@ -199,10 +166,6 @@ class EngineRunners:
             for name, runner in zip(("target", "draft"), pair):
                 if runner is not None:
                     failures.update({f"{name} {capacity} {key}": err for key, err in runner.graphs.failures.items()})
-        if self.head is not None and self.head.graphs is not None:
-            failures.update({f"head rollout {key}": err for key, err in self.head.graphs.graphs.failures.items()})
-        if self.head is not None and self.head.sampled is not None:
-            failures.update({f"sampled chain {key}": err for key, err in self.head.sampled.graphs.failures.items()})
-        if self.grower is not None:
-            failures.update({f"tree build {key}": err for key, err in self.grower.graphs.failures.items()})
+        if self.path is not None and self.path.graphs is not None:
+            failures.update(self.path.graphs.failures())
         return failures

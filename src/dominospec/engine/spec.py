@@ -14,11 +14,12 @@ One `SpecEngine` per (target, draft, mode); `generate(prompt ids) -> Generation`
 With `ngram_assist` a draft mode's round whose context offers a prompt-lookup continuation verifies
 that instead, or, with `ngram_fork` (greedy), beside the draft (engine.proposers).
 
-The mode picks a proposer once (engine.proposers); every round is the same (engine.round): plan,
-draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. The draft is put
-on the draft path once (engine.draft_path: dtype, packing, its head and tree), and the runners
-(engine.runners) are chosen once too: dynamic or static caches, transformers' forward or the lean
-decoder, with their CUDA graphs. Invariant between rounds: target KV length == draft context + pending features ==
+Resolve once: (mode, num_draft, params, target, draft) become a frozen `Decoding` (engine.decoding),
+and nothing after that step reads the mode or the params. From it the draft is put on the draft
+path (engine.draft_path: dtype, packing, its head and tree, their graphs in one holder), the
+proposer is chosen (engine.proposers) and the runners (engine.runners: dynamic or static caches,
+transformers' forward or the lean decoder, with their CUDA graphs). Every round is the same
+(engine.round): plan, draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. Invariant between rounds: target KV length == draft context + pending features ==
 prompt + emitted - 1; x_start, the last committed token, has no target KV yet.
 
 `num_draft` = K_max, the draft tokens verified per round, 1..B (None: B-1; in `ngram`
@@ -35,12 +36,13 @@ import torch
 
 from dominospec.config import EngineParams
 from dominospec.engine.cost import measure_round_cost
+from dominospec.engine.decoding import MODES, resolve
 from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_path import DraftPath, load_draft_path
 from dominospec.engine.policy import RoundCost
-from dominospec.engine.proposers import DraftChains, DraftTree, LookupSteps, PlainSteps, Proposer
-from dominospec.engine.round import RoundState, play_round
-from dominospec.engine.runners import EngineRunners, static_caches
+from dominospec.engine.proposers import proposer_for
+from dominospec.engine.round import Request, RoundState, play_round
+from dominospec.engine.runners import EngineRunners
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import Generation, GenerationStats
 from dominospec.engine.stops import admit, cut_at_stop_string, stop_token_ids
@@ -48,74 +50,31 @@ from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
 
-MODES = ("ar", "ngram", "dflash", "domino", "dominotree")
-DRAFT_MODES = ("dflash", "domino", "dominotree")
-
-
 class SpecEngine:
     """Target (+ draft) -> `generate(prompt ids) -> Generation` in one mode (module docstring)."""
 
     def __init__(self, target: Target, draft: Optional[DFlashDraftModel], mode: str,
                  num_draft: Union[int, str, None] = None, params: Optional[EngineParams] = None):
-        if mode not in MODES:
-            raise UserError(f"unknown decoding mode {mode!r}: expected one of {list(MODES)}")
-        if params is None:
-            raise UserError("SpecEngine needs the engine's params (params.yaml `engine:`, config.EngineParams)")
-        if params.linear not in ("packed", "torch"):
-            raise UserError(f"engine.linear: {params.linear} is resolved by engine.configure.prepare_target(), "
-                            "which times the target; pass dataclasses.replace(params, linear=its choice)")
-        if mode == "domino" and params.tree.shape == "best_first":  # domino drafts engine.tree's shape
-            mode = "dominotree"
-        self.mode, self.target, self.model, self.params = mode, target, target.model, params
-        self.packed = params.linear == "packed"  # the draft path's linears pre-packed for oneDNN (engine.packed)
-        self.static_cache, self.cuda_graphs = static_caches(params)  # fixed-size caches; CUDA graphs replayed on them
+        self.decoding = d = resolve(target, draft, mode, num_draft, params)  # nothing below reads mode or params
+        self.mode, self.target, self.model = d.name, target, target.model
+        self.params = params  # what it was built from, a record for its callers; the engine reads `decoding`
         self.device = target.device
-        self.dtype = target.embed_tokens.weight.dtype
         self.max_positions = int(self.model.config.max_position_embeddings)
         self.stop_ids = frozenset(stop_token_ids(target.tokenizer, self.model))
-        self.path: Optional[DraftPath] = None  # the draft as this engine runs it (engine.draft_path)
-        self.draft, self.block_size, self.draft_dtype = None, 1, self.dtype
-        self.head, self.grower = None, None  # the draft's proposal (engine.draft_head), DominoTree's build
-        self.auto = num_draft == "auto"
-        self.nodes = params.tree.nodes if mode == "dominotree" else 0  # the best-first tree's budget N
+        self.path: Optional[DraftPath] = load_draft_path(draft, target, d) if d.drafting else None
+        self.draft = self.path.model if self.path else None
+        self.head = self.path.head if self.path else None  # the draft's proposal (engine.draft_head)
+        self.grower = self.path.grower if self.path else None  # DominoTree's build
+        self.block_size, self.num_draft, self.nodes, self.auto = d.block_size, d.k_max, d.nodes, d.auto
+        self.draft_dtype, self.lookup_k_max = d.draft_dtype, d.lookup.k_max
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
-        if mode in DRAFT_MODES:
-            self.path = load_draft_path(draft, target, mode, params, self.static_cache, self.cuda_graphs)
-            self.draft, self.block_size, self.draft_dtype = self.path.model, self.path.block_size, self.path.dtype
-            self.head, self.grower = self.path.head, self.path.grower
-        elif mode == "ngram":
-            self.block_size = params.ngram_num_draft + 1
-        self.num_draft = self._k_max(num_draft)
-        self.lookup_k_max = self.num_draft if mode == "ngram" else (params.ngram_num_draft if params.ngram_assist and
-                                                                      self.draft is not None else 0)
-        self.proposer = self._proposer(mode)
-        self.runners = EngineRunners(self.target, params, max(self.block_size, self.max_verify) + 1, self.device,
-                                     self.static_cache, self.cuda_graphs, self.packed, target.embed_tokens, self.path)
-
-    def _k_max(self, num_draft: Union[int, str, None]) -> int:
-        """K_max: `num_draft`, or B - 1 (ngram: ngram_num_draft) when None or auto; 0 in `ar`."""
-        if self.mode == "ar":
-            return 0
-        limit = self.block_size
-        if num_draft is not None and not self.auto and not (isinstance(num_draft, int) and 1 <= num_draft <= limit):
-            raise UserError(f"num_draft must be 'auto' or lie in 1..{limit}, got {num_draft!r}")
-        return limit - 1 if num_draft is None or self.auto else num_draft
-
-    def _proposer(self, mode: str) -> Proposer:
-        """The mode's proposer (engine.proposers), with the engine's K_max, lookups and auto-K."""
-        shared = dict(num_draft=self.num_draft, lookup_k_max=self.lookup_k_max, window=self.params.acceptance_window,
-                      auto=self.auto, fork=self.params.ngram_fork and self.lookup_k_max > 0 and mode != "ngram",
-                      device=self.device)
-        if mode == "dominotree":
-            return DraftTree(self.grower, self.nodes, **shared)
-        if mode in ("dflash", "domino"):
-            return DraftChains(self.head, self.params.confidence_cut, **shared)
-        return (LookupSteps if mode == "ngram" else PlainSteps)(**shared)
+        self.proposer = proposer_for(d, self.head, self.grower, self.device)
+        self.runners = EngineRunners(target, d, self.path)
 
     @property
     def max_verify(self) -> int:
         """The most tokens one round verifies (a chain of K or a tree's nodes, a lookup, or both, forking)."""
-        return self.proposer.max_rows
+        return self.decoding.max_verify
 
     @property
     def cost(self) -> Optional[RoundCost]:
@@ -160,6 +119,7 @@ class SpecEngine:
         else:
             generator.seed()
         stops = tuple(s for s in stop_strings if s)
+        request = Request(budget, sampling, generator, self.stop_ids)
         stats = GenerationStats(self.mode, T, self.num_draft)
         drafting = self.draft is not None
 
@@ -172,8 +132,8 @@ class SpecEngine:
         if drafting:
             state.pending.append(features)
         stats.prefill_s = self.now() - t_begin
-        if self.mode == "ngram" or (drafting and self.params.ngram_assist):
-            state.look_up(prompt.tolist(), self.params.ngram_min, self.params.ngram_max)
+        if self.decoding.lookup.k_max:
+            state.look_up(prompt.tolist(), self.decoding.lookup.ngram_min, self.decoding.lookup.ngram_max)
 
         tokens: list[int] = []
         new, reason = admit(tokens, [first], budget, self.stop_ids)
@@ -197,8 +157,7 @@ class SpecEngine:
                 break
             start = T + len(tokens) - 1  # position of x_start = tokens[-1]
             assert state.kv.length == start, "target KV out of step"
-            new, reason = play_round(self.proposer, state, tokens, start, budget, sampling, generator, stats,
-                                     self.stop_ids)
+            new, reason = play_round(self.proposer, state, tokens, start, request, stats)
 
         # Invariant after generation: both caches hold the committed prefix minus the last token.
         state.kv.crop(T + len(tokens) - 1)
@@ -233,8 +192,7 @@ class SpecEngine:
         forward costs this engine takes (engine.cost.measure_round_cost)."""
         kv, drafter = self.runners.pair(len(prompt) + self.runners.max_rows)
         ids = torch.tensor(prompt, device=self.device)
-        self.cost = measure_round_cost(kv, drafter, self.head, self.grower, ids, self.num_draft,
-                                       self.max_verify + 1, self.draft_dtype, self.now, shared=shared)
+        self.cost = measure_round_cost(kv, drafter, self.path, self.decoding, ids, self.now, shared=shared)
         return self.cost
 
     def graph_failures(self) -> dict[str, str]:
