@@ -71,6 +71,13 @@ def tiny_draft(target: Target, block_size: int = 4, seed: int = 1, head: bool = 
     return draft.to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
 
 
+def chat_ids(target: Target, text: str) -> list[int]:
+    """One user turn rendered with the target's chat template, ready for the reply -> its token ids."""
+    rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+    return target.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 2, max_len: int = 12) -> list[list[int]]:
     """n random prompts of token ids in 3..vocab-2 (no BOS/EOS/MASK)."""
     g = torch.Generator().manual_seed(seed)
