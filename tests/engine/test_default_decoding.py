@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from engine_helpers import chat_ids
+from engine_helpers import chat_ids, fit_draft
 
 from dominospec.cache.features import resolve_layer_ids
 from dominospec.config import load_params
@@ -23,9 +22,7 @@ from dominospec.engine.configure import prepare_target
 from dominospec.engine.proposers import DraftTree
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import load_target
-from dominospec.train import objective as O
 from dominospec.train.build import draft_config
-from dominospec.train.sampled_vocab import sample_vocabulary
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Describe how a bicycle works.", "Write a haiku about autumn leaves.",
@@ -45,44 +42,20 @@ def default_setup():
     ar = SpecEngine(target, None, "ar", None, options)
     prompts = [chat_ids(target, text) for text in PROMPTS]
     replies = [ar.generate(p, NEW_TOKENS).token_ids for p in prompts]
+    assert all(len(r) == NEW_TOKENS for r in replies), "every reply runs the whole budget"
     draft = trained_draft(params, target, prompts, replies)
     return params, target, options, prompts, replies, draft
 
 
 def trained_draft(params, target, prompts: list[list[int]], replies: list[list[int]]) -> DFlashDraftModel:
-    """The default draft architecture (params `draft:`, MLP 256 wide) trained STEPS AdamW steps with the
-    project's objective (anchors on the replies, the base-anchored curriculum, a sampled softmax) on
-    prompt + reply -> the draft, fp32, frozen. It memorises the replies: the point is deep acceptance."""
+    """The default draft architecture (params `draft:`, its MLP 256 wide) trained STEPS steps on the
+    replies (engine_helpers.fit_draft, a sampled softmax of 1,024 negatives) -> the draft, fp32, frozen."""
     mask_id = target.tokenizer.convert_tokens_to_ids("<|endoftext|>")  # never in a chat reply
     layer_ids = resolve_layer_ids(params.cache, target.num_layers)
-    config = draft_config(dataclasses.replace(params.draft, intermediate_size=256), target, layer_ids, mask_id)
-    draft = DFlashDraftModel(config).train()
-    sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies)]
-    T = max(len(s) for s in sequences)
-    ids = torch.stack([F.pad(s, (0, T - len(s)), value=mask_id) for s in sequences])  # [4, T]
-    supervised = torch.zeros_like(ids, dtype=torch.bool)  # the replies' positions
-    for b, (p, r) in enumerate(zip(prompts, replies)):
-        supervised[b, len(p) - 1: len(p) + len(r)] = True
-    with torch.no_grad():  # not inference mode: the features enter autograd's graph
-        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
-        features = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)  # [4, T, n*H]
-    embed, head = target.embed_tokens, target.lm_head.weight
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3, weight_decay=0.0)
-    weights = O.position_weights(config.block_size, params.train.loss_gamma)
-    g = torch.Generator().manual_seed(0)
-    for step in range(STEPS):
-        blocks = O.make_blocks(ids, supervised, 24, config.block_size, mask_id, g)
-        sampled = sample_vocabulary(blocks.labels, blocks.label_mask, head.shape[0], 1024, g)
-        rows = head.index_select(0, sampled.ids)  # [V', H]
-        base, final = O.draft_block_logits(draft, embed, lambda z: F.linear(z, rows), features, blocks,
-                                           vocab_ids=sampled.ids)
-        lam = O.curriculum_lambda(step, STEPS, 0.5)
-        loss, _, _ = O.domino_loss(sampled.shift(base), sampled.shift(final), sampled.columns(blocks.labels),
-                                   blocks.label_mask, weights, lam)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return draft.eval().requires_grad_(False)
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(draft_config(dataclasses.replace(params.draft, intermediate_size=256), target, layer_ids,
+                                          mask_id))
+    return fit_draft(target, draft, prompts, replies, STEPS, lr=3e-3, negatives=1024, gamma=params.train.loss_gamma)
 
 
 def test_default_mode_resolves_to_dominotree_with_the_fork(default_setup):
