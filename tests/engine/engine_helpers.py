@@ -71,6 +71,13 @@ def tiny_draft(target: Target, block_size: int = 4, seed: int = 1, head: bool = 
     return draft.to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
 
 
+def chat_ids(target: Target, text: str) -> list[int]:
+    """One user turn rendered with the target's chat template, ready for the reply -> its token ids."""
+    rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+    return target.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 2, max_len: int = 12) -> list[list[int]]:
     """n random prompts of token ids in 3..vocab-2 (no BOS/EOS/MASK)."""
     g = torch.Generator().manual_seed(seed)
@@ -161,3 +168,50 @@ def engine_params(**overrides):
     from dominospec.config import load_params
 
     return plain_engine(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine, **overrides)
+
+
+def fit_draft(target: Target, draft: DFlashDraftModel, prompts: list[list[int]], replies: list[list[int]],
+              steps: int, lr: float = 3e-3, anchors: int = 24, negatives: int | None = None,
+              gamma: float = 2.0, seed: int = 0) -> DFlashDraftModel:
+    """`draft` trained in place for `steps` AdamW steps with the project's objective (dominospec.train.
+    objective: anchors re-drawn on the replies every step, position-weighted CE, the base-anchored
+    curriculum over the first half; with `negatives` a sampled softmax of that many negatives, as
+    train.loss_vocab: sampled) on prompt + reply -> the draft, eval and frozen. It memorises the
+    replies (the target's own greedy ones): a cheap draft that the engine accepts deep."""
+    import torch.nn.functional as F
+
+    from dominospec.train import objective as O
+    from dominospec.train.sampled_vocab import sample_vocabulary
+
+    config, mask_id = draft.config, int(draft.config.mask_token_id)
+    sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies)]
+    T = max(len(s) for s in sequences)
+    ids = torch.stack([F.pad(s, (0, T - len(s)), value=mask_id) for s in sequences])  # [B, T]
+    supervised = torch.zeros_like(ids, dtype=torch.bool)  # the replies' positions: labels x[a+1..] lie in them
+    for b, (p, r) in enumerate(zip(prompts, replies)):
+        supervised[b, len(p) - 1: len(p) + len(r)] = True
+    with torch.no_grad():  # not inference mode: the features enter autograd's graph
+        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i + 1] for i in config.target_layer_ids], dim=-1)  # [B, T, n*H]
+    embed, head = target.embed_tokens, target.lm_head.weight  # [V, H]
+    draft.requires_grad_(True).train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    weights = O.position_weights(config.block_size, gamma)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        blocks = O.make_blocks(ids, supervised, anchors, config.block_size, mask_id, g)
+        labels = blocks.labels
+        if negatives is None:
+            base, final = O.draft_block_logits(draft, embed, lambda z: F.linear(z, head), features, blocks)
+        else:
+            sampled = sample_vocabulary(labels, blocks.label_mask, head.shape[0], negatives, g)
+            rows = head.index_select(0, sampled.ids)  # [V', H]
+            base, final = O.draft_block_logits(draft, embed, lambda z: F.linear(z, rows), features, blocks,
+                                               vocab_ids=sampled.ids)
+            base, final, labels = sampled.shift(base), sampled.shift(final), sampled.columns(labels)
+        loss, _, _ = O.domino_loss(base, final, labels, blocks.label_mask, weights,
+                                   O.curriculum_lambda(step, steps, 0.5))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval().requires_grad_(False)

@@ -29,6 +29,7 @@ from test_lossless_sampling import VOCAB, chi_square_p, exact_joint, marginals, 
 from scipy.stats import chi2
 
 import dominospec.engine.accept as accept_module
+from dominospec.engine.accept import Accepted, children_of
 from dominospec.engine import Sampling, SpecEngine
 from dominospec.engine.domino_tree import ancestor_bits, grow_tree
 from dominospec.engine.policy import PRIOR, PRIOR_WEIGHT, RoundCost
@@ -230,6 +231,47 @@ def test_a_wrong_residual_fails_the_same_test(sampled_setup, monkeypatch):
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
     monkeypatch.setattr(accept_module, "residual", lambda p, rejected: p)  # the rejected children keep their mass
     engine = SpecEngine(target, draft, "dominotree", None, SAMPLED[0][1])
+    x2, pairs, _ = sample_x2_x3(engine, sampling, BROKEN_SAMPLES)
+    assert min(chi_square_p(x2, x2_exact, BROKEN_SAMPLES), chi_square_p(pairs, pair_exact, BROKEN_SAMPLES)) < 1e-6
+
+
+SAMPLED_FORK = engine_params(tree=dict(nodes=6, children=3), ngram_assist=True, ngram_fork=True, ngram_max=2)
+
+
+def test_sampled_dominotree_with_the_fork_matches_target_distribution(sampled_setup):
+    """The default's options sampled: DominoTree with the fork on (a fork is greedy-only, so a lookup
+    hit is verified instead of the tree): both kinds of round come, and the tokens follow the target."""
+    target, draft = sampled_setup
+    sampling = Sampling(temperature=1.0)
+    x2_exact, pair_exact = marginals(exact_joint(target, sampling))
+    engine = SpecEngine(target, draft, "domino", None, SAMPLED_FORK.with_tree(shape="best_first"))
+    assert engine.mode == "dominotree" and engine.proposer.fork
+    seen: list = []
+    x2, pairs, accepted = sample_x2_x3(engine, sampling, SAMPLES, seen)
+    assert SAMPLES * 0.1 < accepted < SAMPLES * 0.95, f"acceptance {accepted}/{SAMPLES}: drafts too good or too bad"
+    lookups, trees = sum(s.lookup_rounds for s in seen), sum(s.tree_rounds for s in seen)
+    assert lookups > SAMPLES * 0.05 and trees > SAMPLES * 0.1, (lookups, trees)
+    assert chi_square_p(x2, x2_exact, SAMPLES) > 1e-3
+    assert chi_square_p(pairs, pair_exact, SAMPLES) > 1e-3
+
+
+def always_first_child(ids, parents, probs, q, generator):
+    """A wrong acceptance: every row's first child taken (the draft's best token, or the lookup), down
+    to a leaf; the next token from p there."""
+    kids = children_of(parents[: probs.shape[0]].tolist())
+    path = [0]
+    while kids[path[-1]]:
+        path.append(kids[path[-1]][0])
+    nxt = int(torch.multinomial(probs[path[-1]][None], 1, generator=generator)[0, 0])
+    return Accepted(path, [int(ids[r]) for r in path[1:]] + [nxt], None)
+
+
+def test_always_accepting_fails_the_same_test_with_the_fork(sampled_setup, monkeypatch):
+    target, draft = sampled_setup
+    sampling = Sampling(temperature=1.0)
+    x2_exact, pair_exact = marginals(exact_joint(target, sampling))
+    monkeypatch.setattr(accept_module, "accept_sampled", always_first_child)
+    engine = SpecEngine(target, draft, "dominotree", None, SAMPLED_FORK)
     x2, pairs, _ = sample_x2_x3(engine, sampling, BROKEN_SAMPLES)
     assert min(chi_square_p(x2, x2_exact, BROKEN_SAMPLES), chi_square_p(pairs, pair_exact, BROKEN_SAMPLES)) < 1e-6
 

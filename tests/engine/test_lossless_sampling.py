@@ -58,8 +58,9 @@ def chi_square_p(observed: Counter, expected: torch.Tensor, n: int) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
-def sample_x2_x3(engine: SpecEngine, sampling: Sampling, n: int) -> tuple[Counter, Counter, int]:
-    """n seeded generations -> (x2 counts, (x2, x3) counts, rounds that accepted a draft)."""
+def sample_x2_x3(engine: SpecEngine, sampling: Sampling, n: int, seen: list | None = None) -> tuple[Counter, Counter, int]:
+    """n seeded generations -> (x2 counts, (x2, x3) counts, rounds that accepted a draft); each
+    generation's stats appended to `seen` when given."""
     x2, pairs, accepted = Counter(), Counter(), 0
     engine.stop_ids = frozenset()  # the exact joint has no stop token: every sample runs 4 tokens
     for seed in range(n):
@@ -69,6 +70,8 @@ def sample_x2_x3(engine: SpecEngine, sampling: Sampling, n: int) -> tuple[Counte
         x2[a] += 1
         pairs[a * VOCAB + b] += 1
         accepted += out.stats.position_accepted[0] > 0
+        if seen is not None:
+            seen.append(out.stats)
     return x2, pairs, accepted
 
 

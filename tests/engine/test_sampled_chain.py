@@ -1,10 +1,12 @@
 """The sampled Domino chain drawn from uniforms drawn first (engine.draft_head): the exponential race
-draws from q; the graph's buffer path (`SampledChains`, eager here) equals the plain path for one seed.
+draws from q; the graph's buffer path (`SampledChains`, eager here) and the plain path draw what an
+independent step-by-step reference draws from the same uniforms.
 
 - `_Draws`: 40,000 draws from a fixed q, by chi-square; a token of q = 0 is never drawn; the belief
   of each draw is q at the drawn token.
-- `SampledChains(enabled=False)` runs the function a CUDA graph would capture, on its static buffers:
-  tokens, q and beliefs equal the plain path's with the same generator seed, for K = 1..B-1 and a pool.
+- `SampledChains(enabled=False)` runs the function a CUDA graph would capture, on its static buffers;
+  it and the plain path draw, with the same generator seed, the tokens and q of the race written out
+  step by step in this test (`race_chain`), for K = 1..B-1 and a pool.
 Run: python -m pytest tests/engine/test_sampled_chain.py -q
 """
 
@@ -43,8 +45,35 @@ def test_a_biased_race_fails_the_same_test():
     assert chisquare(counts.numpy(), (q.double() * 40_000).numpy()).pvalue < 1e-6
 
 
+def race_chain(draft, embed_tokens, z, base, x_start, sampling, noise, cand):
+    """The sampled chain written out step by step (an independent reference): slot j scores u_j
+    (j < P, the whole vocabulary) or u_j + W2 . SiLU(W1 . [z_j ; s_j]) over the pool `cand` (None: the
+    vocabulary), q_j = sampling.probs of that, d_j = argmax q_j / -log noise[j] (its first columns),
+    and the GRU reads d_j -> (tokens [K], q [K, V] scattered over the vocabulary)."""
+    K, V = base.shape
+    P = int(draft.config.pure_draft_prefix_len)
+    state = draft.gru_step(embed_tokens(x_start), z.new_zeros(1, draft.config.gru_hidden_dim))  # s_0 [1, G]
+    tokens, probs = [], []
+    for j in range(K):
+        if j < P:
+            logits, ids = base[j], torch.arange(V)
+        else:
+            ids = torch.arange(V) if cand is None else cand
+            delta = draft.embed_proj[2].weight[ids] @ draft.correction_hidden(z[j][None], state)[0]  # [N]
+            logits = base[j, ids] + delta
+        q = sampling.probs(logits[None])[0]  # [N]
+        position = int((q / noise[j, :q.shape[0]].log().neg()).argmax())
+        tokens.append(int(ids[position]))
+        probs.append(torch.zeros(V, dtype=q.dtype).index_copy_(0, ids, q))
+        state = draft.gru_step(embed_tokens(torch.tensor([tokens[-1]])), state)
+    return tokens, torch.stack(probs)
+
+
 @pytest.mark.parametrize("pool_size", [0, 17])
-def test_the_graph_buffers_draw_what_the_plain_path_draws(pool_size):
+def test_the_graph_buffers_draw_what_the_written_out_race_draws(pool_size):
+    """The graph's function on its static buffers (SampledChains, eager on CPU) and the engine's plain
+    path against `race_chain` on the same uniforms (the request's generator, drawn as the buffers draw
+    them): the same tokens, q and beliefs, for K = 1..B-1, the full vocabulary and a pool."""
     target = tiny_target("llama", vocab=V, dtype=torch.float64, scale=0.2)
     draft = tiny_draft(target, block_size=8, seed=2)
     B, H = 8, 32
@@ -55,12 +84,16 @@ def test_the_graph_buffers_draw_what_the_plain_path_draws(pool_size):
     plain = DraftHead(draft, target.embed_tokens, True, pool_size)
     buffered = DraftHead(draft, target.embed_tokens, True, pool_size,
                          sampled=SampledChains(B, H, V, torch.float64, torch.device("cpu"), enabled=False))
+    differs = 0
     with torch.inference_mode():
         for K in range(1, B):
             z, base, x_start = z_all[:K], base_all[:K], torch.tensor([3 + K])
-            a = plain.chain(z, base, x_start, sampling, torch.Generator().manual_seed(K), False)
-            b = buffered.chain(z, base, x_start, sampling, torch.Generator().manual_seed(K), False)
-            assert a.tokens.tolist() == b.tokens.tolist()
-            assert a.probs.shape == (K, V) and torch.equal(a.probs, b.probs) and torch.equal(a.confidence, b.confidence)
-            assert torch.allclose(a.probs.sum(-1), torch.ones(K, dtype=a.probs.dtype))
-            assert torch.equal(a.confidence, a.probs.gather(1, a.tokens[:, None])[:, 0])
+            noise = torch.empty(K, V).uniform_(generator=torch.Generator().manual_seed(K))
+            tokens, q = race_chain(draft, target.embed_tokens, z, base, x_start, sampling, noise, plain.pool(base))
+            for head in (plain, buffered):
+                chain = head.chain(z, base, x_start, sampling, torch.Generator().manual_seed(K), False)
+                assert chain.tokens.tolist() == tokens, K
+                torch.testing.assert_close(chain.probs.double(), q.double(), rtol=1e-6, atol=1e-7)
+                assert torch.equal(chain.confidence, chain.probs.gather(1, chain.tokens[:, None])[:, 0])
+            differs += tokens != base.argmax(-1).tolist()
+    assert differs, "every chain was the base argmax: the draws and the head were never tested"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import engine_params
+from engine_helpers import chat_ids as chat, engine_params
 
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
@@ -40,12 +40,6 @@ def random_draft(target, block_size: int) -> DFlashDraftModel:
                            target_layer_ids=default_layer_ids(target.num_layers, 5), gru_hidden_dim=128, emb_dim=64),
     )
     return DFlashDraftModel(config).eval().requires_grad_(False)
-
-
-def chat(target, text: str) -> list[int]:
-    rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
-    return target.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def test_smollm2_greedy_spec_equals_ar_and_stops_at_end_of_turn(smollm2):

@@ -22,7 +22,7 @@ from dominospec.eval.stage import evaluate
 from dominospec.files import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
-from engine_helpers import tiny_draft, tiny_tokenizer  # noqa: E402
+from engine_helpers import engine_params, fit_draft, tiny_draft, tiny_tokenizer  # noqa: E402
 
 VOCAB = 64
 TRAIN_RUN_ID = "0123456789abcdef"
@@ -61,6 +61,20 @@ def save_prepared(directory: Path, identity: dict) -> None:
     write_dataset(directory, DatasetDict({"train": split(2, 0), "val": split(1, 10), "test": split(3, 20)}), meta)
 
 
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+MINE = [  # a prompts file of the three kinds: a prompt, a blank line, a conversation
+    json.dumps({"prompt": "t5 t6 t7 t8"}),
+    "",
+    json.dumps({"messages": [{"role": "user", "content": "t20 t21"}, {"role": "assistant", "content": "t22"},
+                             {"role": "user", "content": "t23 t24 t25"}]}),
+    json.dumps({"prompt": "t30 t31"}),
+]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """-> (params path, root): tiny target, draft in checkpoints/final, prepared data, MLflow store."""
@@ -81,26 +95,32 @@ def setup(tmp_path_factory):
 
     params = load_params(params_path)
     target = load_target(params.target)
-    tiny_draft(target, block_size=4).save_pretrained(Path(params.paths.checkpoints) / "final")
-    (Path(params.paths.checkpoints) / "run.json").write_text(json.dumps({"mlflow_run_id": TRAIN_RUN_ID}))
     save_prepared(Path(params.paths.prepared), target.identity.as_dict())
+    mine = write_jsonl(root / "mine.jsonl", MINE)
+    trained_draft(params, target, [str(mine), "sharegpt"]).save_pretrained(Path(params.paths.checkpoints) / "final")
+    (Path(params.paths.checkpoints) / "run.json").write_text(json.dumps({"mlflow_run_id": TRAIN_RUN_ID}))
     return params_path, root
 
 
-def write_jsonl(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def trained_draft(params, target, specs: list[str]):
+    """A B = 4 draft trained on the target's greedy replies to the suites' prompts (engine_helpers.fit_draft),
+    so that the evaluation's drafts are accepted: its τ then tells a working draft path from a broken one."""
+    from dominospec.engine import SpecEngine
+    from dominospec.eval.prompts import load_suite
+
+    cfg = params.evaluate
+    prompts = [p for spec in specs for p in load_suite(spec, target.tokenizer, params.target.chat_template_kwargs,
+                                                       params.paths.prepared, cfg.max_prompts, cfg.max_prompt_tokens).prompts]
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    replies = [ar.generate(p, cfg.max_new_tokens).token_ids for p in prompts]
+    return fit_draft(target, tiny_draft(target, block_size=4), prompts, replies, steps=100)
+
+
 
 
 def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path):
     params_path, root = setup
-    prompts = write_jsonl(tmp_path / "mine.jsonl", [
-        json.dumps({"prompt": "t5 t6 t7 t8"}),
-        "",
-        json.dumps({"messages": [{"role": "user", "content": "t20 t21"}, {"role": "assistant", "content": "t22"},
-                                 {"role": "user", "content": "t23 t24 t25"}]}),
-        json.dumps({"prompt": "t30 t31"}),
-    ])
+    prompts = write_jsonl(tmp_path / "mine.jsonl", MINE)
     params = load_params(params_path)
     report = evaluate(params, prompts=str(prompts))
     written = json.loads((Path(params.paths.metrics) / "eval.json").read_text())
@@ -114,13 +134,15 @@ def test_evaluate_writes_consistent_report_plots_and_mlflow_run(setup, tmp_path)
     assert suite["n_prompts"] == 3 and suite["skipped_too_long"] == 0
     assert suite["exact_match"] == suite["exact_match_no_head"] == 1.0 and suite["divergences"] == []
     assert suite["new_tokens"] == suite["ar_new_tokens"] <= 3 * 12
-    assert 1.0 <= suite["acceptance_length"] <= report["block_size"]
+    # the draft (trained on these prompts' greedy replies) is accepted: τ well above one plain step
+    assert 1.5 < suite["acceptance_length"] <= report["block_size"], suite["acceptance_length"]
+    assert suite["acceptance_by_position"][0] > 0.5
     assert suite["speedup"] == pytest.approx(suite["spec_tokens_per_s"] / suite["ar_tokens_per_s"]) and suite["speedup"] > 0
     # every mode on the same prompts, one schema; prompt lookup reported beside the draft's modes
     assert set(suite["modes"]) == {"ar", "ngram", "dflash", "domino", "domino_chain"}
     # Domino is DominoTree (engine.tree.shape best_first), its chain beside it: exact too
     assert suite["modes"]["domino"]["tree_round_share"] > 0 and suite["modes"]["domino_chain"]["tree_round_share"] == 0
-    assert suite["modes"]["domino_chain"]["exact_match"] == 1.0 and suite["modes"]["domino_chain"]["acceptance_length"] >= 1
+    assert suite["modes"]["domino_chain"]["exact_match"] == 1.0 and suite["modes"]["domino_chain"]["acceptance_length"] > 1.5
     # the sampled pass: AR, head off, Domino and its chain at evaluate.sampled_temperature, τ and speed-up with SEs
     sampled = suite["sampled"]
     assert report["sampled_temperature"] == sampled["temperature"] == params.evaluate.sampled_temperature > 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE  # noqa: F401  (skips the module when triton is absent)
 
-from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target  # noqa: E402
+from engine_helpers import engine_params, fit_draft, random_prompts, tiny_draft, tiny_target  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402
 from dominospec.engine import SpecEngine  # noqa: E402
@@ -148,21 +148,39 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     assert head_kernel(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine.head_kernel) == "auto"
 
 
+@pytest.fixture(scope="module")
+def trained(setup):
+    """The tiny target and a draft trained on its greedy replies to 3 prompts (engine_helpers.fit_draft),
+    so that DominoTree's rounds accept deep: the kernels' build is compared where it is accepted."""
+    target, _, _ = setup
+    ar = SpecEngine(target, None, "ar", params=engine_params())
+    prompts = random_prompts(3, V, seed=7)
+    replies = [ar.generate(p, NEW_TOKENS).token_ids for p in prompts]
+    draft = fit_draft(target, tiny_draft(target, block_size=8, seed=4), prompts, replies, steps=80)
+    return target, draft, prompts, replies
+
+
+NEW_TOKENS = 24
+
+
 @cpu_engine
 @pytest.mark.parametrize("pool_size", [0, 13])
-def test_dominotree_grown_on_the_kernels_decodes_as_on_torch_ops(setup, pool_size):
+def test_dominotree_grown_on_the_kernels_decodes_as_on_torch_ops(trained, pool_size):
     """DominoTree with head_kernel triton grows its tree on kernels.tree_grow (the engine's grower
     says so): the same tokens and the same accepted lengths, round for round, as the torch-op build,
-    and the same tokens as plain decoding. Static caches run the build through the grower's buffers."""
-    target, draft, _ = setup
+    and plain decoding's tokens, on 3 prompts x 24 tokens with a trained draft whose trees are
+    accepted deep (pooled τ > 2). Static caches run the build through the grower's buffers."""
+    target, draft, prompts, replies = trained
     params = dict(candidate_pool=pool_size, tree=dict(nodes=12, children=3), ngram_assist=False)
     torch_engine = SpecEngine(target, draft, "dominotree", params=engine_params(**params))
     fast = SpecEngine(target, draft, "dominotree", params=engine_params(head_kernel="triton", **params))
     static = SpecEngine(target, draft, "dominotree",
                         params=engine_params(head_kernel="triton", cuda_graphs="static", **params))
-    ar = SpecEngine(target, None, "ar", params=engine_params())
     assert torch_engine.grower.kernels is None and fast.grower.kernels is not None
-    for prompt in random_prompts(1, V, seed=7):
-        a, b, c = torch_engine.generate(prompt, 12), fast.generate(prompt, 12), static.generate(prompt, 12)
-        assert b.token_ids == a.token_ids == c.token_ids == ar.generate(prompt, 12).token_ids
+    emitted = rounds = 0
+    for prompt, reply in zip(prompts, replies):
+        a, b, c = (engine.generate(prompt, NEW_TOKENS) for engine in (torch_engine, fast, static))
+        assert b.token_ids == a.token_ids == c.token_ids == reply
         assert b.stats.accepted_lengths == a.stats.accepted_lengths == c.stats.accepted_lengths
+        emitted, rounds = emitted + sum(b.stats.accepted_lengths), rounds + b.stats.rounds
+    assert emitted / rounds > 2.0, f"pooled τ {emitted / rounds:.2f}: the trees were hardly accepted"

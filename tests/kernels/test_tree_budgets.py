@@ -65,6 +65,19 @@ def verify_ids(tree, n, L, prompt, lookup):
     return torch.cat([prompt[0, -1:], tree.tokens[:n], lookup[:L]])[None]
 
 
+def expected_parents(tree, n: int, L: int) -> list[int]:
+    """The verify's layout, written out: x_start, the tree's best n nodes under their own parents,
+    then the lookup chain under x_start (its first token's parent row 0, each next one the row before)."""
+    return [0] + tree.parents[:n].tolist() + [0 if k == 1 else n + k - 1 for k in range(1, L + 1)]
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = [0] * len(parents)
+    for row in range(1, len(parents)):
+        out[row] = out[parents[row]] + 1
+    return out
+
+
 def test_every_budget_s_bitmask_is_its_ancestor_relation(setup):
     _, tree, _, _ = setup
     for n in range(0, NODES + 1):
@@ -72,9 +85,11 @@ def test_every_budget_s_bitmask_is_its_ancestor_relation(setup):
             shape, parents = tree.verify_rows(n, L)
             T = 1 + n + L
             assert shape.bits.shape == (T, words_for(T)) and shape.depth.shape == parents.shape == (T,)
-            assert torch.equal(unpack(shape.bits), brute_force_visible(parents.tolist())), (n, L)
-            assert torch.equal(shape.mask(), unpack(shape.bits))
-            assert all(p < r for r, p in enumerate(parents.tolist()) if r)
+            layout = expected_parents(tree, n, L)  # from the tree and the lookup's length, not from verify_rows
+            assert parents.tolist() == layout and shape.depth.tolist() == depths(layout), (n, L)
+            visible = brute_force_visible(layout)
+            assert torch.equal(unpack(shape.bits), visible), (n, L)
+            assert torch.equal(shape.mask(), visible), (n, L)
 
 
 def test_every_budget_verifies_on_the_lean_runner_as_on_transformers(setup):
