@@ -160,7 +160,7 @@ def draft_runners_agree(target: Target, draft: DFlashDraftModel, make_runner) ->
 
 
 def engine_params(**overrides):
-    """params.yaml's `engine:` as the plain engine (dominospec.bench.plain_engine: a chain, no pool, no
+    """params.yaml's `engine:` as the plain engine (common.cli.plain_engine: a chain, no pool, no
     lookups, torch ops, dynamic caches) with `overrides` -> config.EngineParams."""
     from pathlib import Path
 

@@ -17,7 +17,7 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rel: float
 
 def model_rollout(embed, w_ih, w_hh, w1, w2, P, z, base, x_start, pool_ids=None):
     """The one torch reference of the head's rollout, the model's `rollout`, run on these raw weights
-    (dominospec.bench.head_model) -> (tokens [K], the scored logits [K, V] with -inf outside `pool_ids`)."""
+    (common.random_head.head_model) -> (tokens [K], the scored logits [K, V] with -inf outside `pool_ids`)."""
     from common.random_head import head_model
 
     model, table = head_model(embed, w_ih, w_hh, w1, w2, P, z.shape[0])
