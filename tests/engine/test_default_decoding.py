@@ -19,7 +19,7 @@ from dominospec.cache.features import resolve_layer_ids
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
 from dominospec.engine.configure import prepare_target
-from dominospec.engine.proposers import DraftTree
+from dominospec.engine.proposers import BestFirstTrees
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import load_target
 from dominospec.train.build import draft_config
@@ -61,7 +61,7 @@ def trained_draft(params, target, prompts: list[list[int]], replies: list[list[i
 def test_default_mode_resolves_to_dominotree_with_the_fork(default_setup):
     params, target, options, _, _, draft = default_setup
     engine = SpecEngine(target, draft, "domino", params.evaluate.num_draft, options)
-    assert engine.mode == "dominotree" and isinstance(engine.proposer, DraftTree)
+    assert engine.mode == "dominotree" and isinstance(engine.proposer, BestFirstTrees)
     assert engine.nodes == params.engine.tree.nodes > 1
     assert engine.proposer.fork and engine.lookup_k_max == params.engine.ngram_num_draft > 0
 
