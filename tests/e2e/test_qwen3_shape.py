@@ -64,7 +64,7 @@ def tiny_params(tmp: Path, target: Path):
     raw["train"].update(max_steps=3, batch_size=2, num_anchors=4, val_every_steps=3, checkpoint_every_steps=3,
                         val_max_sequences=2, val_walk_tokens=16, precision="32-true", accelerator="cpu", num_workers=0)
     raw["evaluate"].update(max_prompts=2, max_new_tokens=48, suites=["sharegpt"], chain_comparison=False,
-                           sampled_temperature=None)
+                           sampled_temperature=None, num_draft=None)  # K = B - 1: auto-K reads the machine's load
     path = tmp / "params.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return load_params(path)

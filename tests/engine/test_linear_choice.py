@@ -56,7 +56,7 @@ def test_auto_keeps_the_faster_kernels(packed_s, torch_s, chosen):
     assert prepare_target(target, cfg, timer=clock(packed_s, torch_s)) == chosen
     assert packed_count(target.model) == (LINEARS if chosen == "packed" else 0)
     draft = tiny_draft(target, block_size=4, seed=4)
-    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(cfg, linear=chosen)).packed == (chosen == "packed")
+    assert SpecEngine(target, draft, "domino", None, dataclasses.replace(cfg, linear=chosen)).decoding.packed == (chosen == "packed")
 
 
 def test_explicit_choices_and_what_cannot_be_packed():
