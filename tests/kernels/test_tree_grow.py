@@ -89,8 +89,7 @@ def test_the_engine_s_kernel_build_takes_its_pool_from_the_pool_kernel(V, H, G, 
     embed, w_ih, w_hh, w1, w2, z, base = make(V, H, G, r, K, torch.float32, seed=K + nodes + 1)
     model, embed_tokens = head_model(embed, w_ih, w_hh, w1, w2, P, K)
     x_start = torch.tensor([5], device=DEVICE)
-    grower = TreeGrower(model, embed_tokens, nodes, children, pool, K, V, torch.float32, DEVICE, graphs=False,
-                        head_kernel="triton")
+    grower = TreeGrower(model, embed_tokens, nodes, children, pool, kernels=True)  # no graph holder: eager
     assert grower.kernels is not None and grower.pool is not None, "the build runs on the kernels, pool included"
     assert torch.equal(pool_select(base, P, pool, grower.pool).cpu(), pool_select_reference(base, P, pool).cpu())
     with torch.inference_mode():
