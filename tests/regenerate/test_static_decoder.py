@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.regenerate import static_decoder
-from dominospec.regenerate.batch_forward import BatchForward
+from dominospec.regenerate.batch_forward import ATTENTIONS, BatchForward
 from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
 from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 from dominospec.regenerate.loops import LoopDetector, loop_cuts
@@ -68,17 +68,22 @@ def _stream_replies(model, prompts, budgets, policy) -> dict:
     return out
 
 
-def _static_replies(model, jobs, policy, slots, capacity=128, prefill_tokens=64, max_new_tokens=40) -> dict:
-    forward = BatchForward(LeanDecoder(model, DecoderOps.reference()), slots, capacity)
+def _static_replies(model, jobs, policy, slots, capacity=128, prefill_tokens=64, max_new_tokens=40,
+                    attention="padded") -> dict:
+    forward = BatchForward(LeanDecoder(model, DecoderOps.reference()), slots, capacity, attention)
     out = {}
     StaticDecoder(forward, policy, max_new_tokens, graphs=False, prefill_tokens=prefill_tokens).run(
         jobs, lambda i, reply: out.__setitem__(i, reply))
     return out
 
 
-@pytest.mark.parametrize("slots, loop", [(4, (None, 3)), (16, (None, 3)), (3, (1, 2)), (5, (2, 2))])
-def test_greedy_replies_equal_todays_decoder(tiny_llama, slots, loop, monkeypatch):
-    """More jobs than slots (refills), prefills of <= 40 tokens, the tail shrunk to buckets of 2."""
+@pytest.mark.parametrize("slots, loop, attention", [
+    (4, (None, 3), "padded"), (16, (None, 3), "padded"), (3, (1, 2), "padded"), (5, (2, 2), "padded"),
+    (3, (1, 2), "rows"), (5, (2, 2), "rows"),  # the kernel runs interpreted: two cases, with refills and loops
+])
+def test_greedy_replies_equal_todays_decoder(tiny_llama, slots, loop, attention, monkeypatch):
+    """More jobs than slots (refills), prompts of 1 to 40 tokens, prefills of <= 40 tokens, the tail shrunk
+    to buckets of 2; either decode attention (`rows`: the Triton kernel, interpreted on the CPU)."""
     monkeypatch.setattr(static_decoder, "MIN_ROWS", 2)
     prompts = _prompts(1, (5, 31, 1, 12, 18, 7, 3, 40, 22, 9, 14, 2))
     budgets = [12, 20, 7, 1, 30, 16, 25, 9, 30, 40, 3, 33]
@@ -88,7 +93,7 @@ def test_greedy_replies_equal_todays_decoder(tiny_llama, slots, loop, monkeypatc
     shrink = StaticDecoder._shrink
     monkeypatch.setattr(StaticDecoder, "_shrink", lambda self, B, busy: shrinks.append(shrink(self, B, busy)) or shrinks[-1])
     got = _static_replies(tiny_llama, [ReplyJob(tuple(p), b) for p, b in zip(prompts, budgets)], policy, slots,
-                          prefill_tokens=40)
+                          prefill_tokens=40, attention=attention)
     assert sorted(got) == list(range(len(prompts)))
     for i, ref in reference.items():
         assert (got[i].tokens, got[i].generated, got[i].stopped, got[i].loop_cut) == \
@@ -99,12 +104,13 @@ def test_greedy_replies_equal_todays_decoder(tiny_llama, slots, loop, monkeypatc
     assert any(r.stopped for r in reference.values()) or loop[0]
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen3"])
-def test_batched_forward_computes_the_models_logits(name, request):
+def test_batched_forward_computes_the_models_logits(name, attention, request):
     """Prefill of right-padded rows into given slots, then decode steps at different positions per row:
     the logits of every row equal the HF model's on that row's whole sequence."""
     model = request.getfixturevalue(name)
-    forward = BatchForward(LeanDecoder(model, DecoderOps.reference()), 3, 64)
+    forward = BatchForward(LeanDecoder(model, DecoderOps.reference()), 3, 64, attention)
     prompts = _prompts(2, (6, 11, 3))
     slots = torch.tensor([2, 0, 1])
     ids = torch.zeros(3, 11, dtype=torch.long)
@@ -159,14 +165,16 @@ def test_sampled_picks_follow_the_softmax_and_their_seed():
     assert (top == 3).all()  # top_p near 0 keeps the most likely token only
 
 
-def test_sampled_replies_depend_on_their_seed_alone(tiny_llama):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_sampled_replies_depend_on_their_seed_alone(tiny_llama, attention):
     """The same jobs on 2 or 7 slots (other rows beside them, other slots) give the same sampled replies;
     the sampled replies differ from the greedy ones and from each other's seeds."""
-    prompts = _prompts(5, (4, 9, 13, 6))
+    prompts = _prompts(5, (4, 9, 13, 6))[: 4 if attention == "padded" else 2]  # the kernel runs interpreted
     policy = DecodePolicy(stop_ids=(STOP,))
-    jobs = [ReplyJob(tuple(p), 24, t, seed) for p in prompts for t, seed in ((0.0, 0), (1.0, 11), (1.0, 12), (0.7, 13))]
-    first = _static_replies(tiny_llama, jobs, policy, slots=2)
-    second = _static_replies(tiny_llama, jobs, policy, slots=7)
+    budget = 24 if attention == "padded" else 10
+    jobs = [ReplyJob(tuple(p), budget, t, seed) for p in prompts for t, seed in ((0.0, 0), (1.0, 11), (1.0, 12), (0.7, 13))]
+    first = _static_replies(tiny_llama, jobs, policy, slots=3, attention=attention)
+    second = _static_replies(tiny_llama, jobs, policy, slots=7, attention=attention)
     assert {i: r.tokens for i, r in first.items()} == {i: r.tokens for i, r in second.items()}
     for p in range(len(prompts)):
         greedy, hot, other, warm = (first[4 * p + k].tokens for k in range(4))

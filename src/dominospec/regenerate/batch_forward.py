@@ -2,9 +2,9 @@
 
     keys / values    [L, S, Hkv, C, D]   slot s holds its sequence's keys and values in columns
                                          [0, length_s); nothing is ever moved but by `move`
-    decode(ids [B], positions [B], cols) -> logits [B, V]
+    decode(ids [B], positions [B], cols, seen [B]) -> logits [B, V]
         rows 0..B-1 are slots 0..B-1, one token each at its own position; each row's K/V is written at
-        column `position`, then the row attends to the columns [0, cols) at or before it
+        column `position`, then the row attends to its columns [0, seen) (default position + 1)
     prefill(slots [n], ids [n, T], lengths [n]) -> logits [n, V] of each row's last real token
         fresh sequences, right-padded to T: each row attends causally to its own tokens (the padding
         is after them, so no real row sees it); its K/V fill the slot's columns [0, T)
@@ -12,12 +12,19 @@
 The weights, the rotary tables and the fused operations are the lean decoder's (models.lean:
 `LeanLayer`, `DecoderOps`: the Triton kernels on CUDA, their pure-torch references elsewhere), so
 the arithmetic is that decoder's, in transformers' rounding order; only the attention differs:
-decode steps use `engine.attention.gqa_one_query` (the one-query grouped attention today's slot
-decoder steps with), prefills `gqa_sdpa`. On the CPU every linear layer runs on a weight packed once
+prefills use `gqa_sdpa`, and decode steps one of two attentions (`attention`):
+
+    rows     `kernels.decode_attention`: each row reads its own `seen` columns and no more, in one
+             Triton launch whose grid depends on B only (CUDA, or TRITON_INTERPRET=1 on the CPU)
+    padded   `engine.attention.gqa_one_query` (the one-query grouped attention today's slot decoder
+             steps with) over the columns [0, cols) of every row, masked past each row's position:
+             every row pays for the longest, and the [B, Hkv, cols, D] prefix views are copied
+             before the batched matmuls On the CPU every linear layer runs on a weight packed once
 for oneDNN (`engine.packed.PackedLinear`: MKL would re-pack it on every call of more than one row). Every op of `decode` is a tensor op on device tensors
 whose shapes depend on (B, cols) only: one decode step is capturable in a CUDA graph per (B, cols).
-The attention's cost follows `cols`, not the capacity C: the caller picks the smallest column
-bucket that holds the longest row.
+With `padded` the attention's cost follows `cols`, not the capacity C: the caller picks the smallest
+column bucket that holds the longest row. With `rows` it follows each row's own length; `cols` is
+not read.
 """
 
 from __future__ import annotations
@@ -29,11 +36,20 @@ from dominospec.engine.attention import gqa_one_query, gqa_sdpa
 from dominospec.engine.packed import PackedLinear, packable
 from dominospec.models.lean import LeanDecoder
 
+ATTENTIONS = ("rows", "padded")  # decode attention: each row's own columns (Triton) | every row over [0, cols) (torch)
+
 
 class BatchForward:
     """An HF Llama / Qwen3 target on S slots of C columns (module docstring)."""
 
-    def __init__(self, decoder: LeanDecoder, slots: int, capacity: int):
+    def __init__(self, decoder: LeanDecoder, slots: int, capacity: int, attention: str = "padded"):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.attention = attention
+        if attention == "rows":  # triton is imported only when used (TRITON_INTERPRET=1 must come first on a CPU)
+            from dominospec.kernels.decode_attention import decode_attention
+
+            self._decode_attention = decode_attention
         stack = decoder.stack
         self.decoder, self.stack, self.ops = decoder, stack, decoder.ops
         self.Hq, self.Hkv, self.D = stack.Hq, stack.Hkv, stack.D
@@ -48,22 +64,31 @@ class BatchForward:
                         for layer in stack.layers]
         self.lm_head = _linear(decoder.lm_head, slots)
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cols: int) -> torch.Tensor:
-        """ids [B], positions [B] (< cols) of slots 0..B-1 -> logits [B, V] float32 (module docstring)."""
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cols: int,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B], positions [B] (< cols, < C) of slots 0..B-1, seen [B] (<= position + 1; default
+        position + 1) -> logits [B, V] float32 (module docstring)."""
         B = ids.shape[0]
         rows = torch.arange(B, device=self.device)
         # the flat (slot, kv head, column) index of each row's new K/V in a layer's [S * Hkv * C, D] view
         heads = torch.arange(self.Hkv, device=self.device)
         at = ((rows[:, None] * self.Hkv + heads[None, :]) * self.capacity + positions[:, None]).reshape(-1)  # [B*Hkv]
-        allowed = torch.arange(cols, device=self.device)[None, :] <= positions[:, None]  # [B, cols]
-        mask = torch.zeros(B, 1, 1, cols, dtype=self.dtype, device=self.device).masked_fill_(~allowed[:, None, None],
-                                                                                            float("-inf"))
+        if self.attention == "rows":
+            seen = positions + 1 if seen is None else seen  # [B] columns each row reads
+        else:
+            last = positions if seen is None else seen - 1  # [B] the last column each row reads
+            allowed = torch.arange(cols, device=self.device)[None, :] <= last[:, None]  # [B, cols]
+            mask = torch.zeros(B, 1, 1, cols, dtype=self.dtype, device=self.device).masked_fill_(
+                ~allowed[:, None, None], float("-inf"))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq * D]
             self._write(layer, at, k.reshape(B * self.Hkv, self.D), v.reshape(B * self.Hkv, self.D))
-            keys, values = self.keys[layer, :B, :, :cols], self.values[layer, :B, :, :cols]  # [B, Hkv, cols, D] views
-            out = gqa_one_query(q[:, :, None], keys, values, mask, self.stack.scale)  # [B, 1, Hq, D]
+            if self.attention == "rows":
+                out = self._decode_attention(q, self.keys[layer], self.values[layer], seen, self.stack.scale)  # [B, Hq, D]
+            else:
+                keys, values = self.keys[layer, :B, :, :cols], self.values[layer, :B, :, :cols]  # [B, Hkv, cols, D] views
+                out = gqa_one_query(q[:, :, None], keys, values, mask, self.stack.scale)  # [B, 1, Hq, D]
             return out.reshape(B, self.Hq * self.D)
 
         x = self._layers(F.embedding(ids, self.decoder.embed), positions, attend)  # [B, H]

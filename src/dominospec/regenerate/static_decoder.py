@@ -12,11 +12,13 @@ device, one row per slot:
     count [S]       reply tokens picked so far;  reply [S, R]: them, R = max_new_tokens
     budget, temperature, seed [S];  active, finished, stopped [S] bool;  cut [S] (-1: no loop)
 
-One decode step of rows 0..B-1 over cache columns [0, cols) is a forward of their `last` tokens,
+One decode step of rows 0..B-1 is a forward of their `last` tokens (`BatchForward.decode`: with
+`rows` attention each row reads its own cached columns; with `padded` every row reads the columns
+[0, cols), cols the busy rows' longest rounded up to COLUMN_STEP; free and finished rows read one),
 the pick (`picking.pick`: greedy, or a draw from the reply's own seed), and the push of each active
 row's token: it ends on a stop token, on a repetition loop (`loops.loop_cuts`, the cut
 `LoopDetector` would make), or at its budget. On CUDA each step is one CUDA graph per key (B, cols,
-sampled), captured on first use after warm-ups that restore the state they advance, all graphs
+sampled; cols is fixed with `rows` attention), captured on first use after warm-ups that restore the state they advance, all graphs
 sharing one memory pool (they never run at once, and they keep nothing between replays but the
 state buffers). The host reads only which rows finished (one [B] copy a step); it never touches a
 running reply's tokens.
@@ -138,12 +140,19 @@ class StaticDecoder:
                 if not queue:
                     B = self._shrink(B, busy.tolist())
                     busy = np.flatnonzero(self.row_job[:B] >= 0)
-                cols = min(self.forward.capacity, -(-(int(self.lengths[busy].max()) + 1) // COLUMN_STEP) * COLUMN_STEP)
+                cols = self._columns(busy)
                 self._run_step((B, cols, bool(self.hot[busy].any())))
                 self.lengths[busy] += 1
                 if on_tokens is not None:
                     on_tokens(len(busy))
                 self._harvest(B)
+
+    def _columns(self, busy: np.ndarray) -> int:
+        """The columns a step's padded attention reads: the busy rows' longest, rounded up to COLUMN_STEP
+        (`rows` attention reads each row's own length: the capacity, one graph per row bucket)."""
+        if self.forward.attention == "rows":
+            return self.forward.capacity
+        return min(self.forward.capacity, -(-(int(self.lengths[busy].max()) + 1) // COLUMN_STEP) * COLUMN_STEP)
 
     def _refill(self, free: list[int], queue: deque) -> None:
         """Start the next jobs in the free rows: prefills of <= prefill_tokens (right-padded) tokens each."""
@@ -188,7 +197,9 @@ class StaticDecoder:
         """One decode step of rows 0..B-1 on the state buffers (tensor ops only: the graph's body)."""
         st = self.state
         active = st.active[:B].clone()
-        logits = self.forward.decode(st.last[:B], st.length[:B], cols)  # [B, V]
+        # a free or finished row writes its (unused) K/V at column 0 and reads that column alone
+        positions = torch.where(active, st.length[:B], 0)
+        logits = self.forward.decode(st.last[:B], positions, cols, torch.where(active, positions + 1, 1))  # [B, V]
         token = pick(logits, st.temperature[:B], st.seed[:B], st.count[:B], self.policy.top_p, sampled)
         st.length[:B] += active.long()
         count, finished, stopped, cut = self._push(st.reply[:B], st.count[:B], st.budget[:B], active, token)
