@@ -122,6 +122,7 @@ class RegenerateParams:
     chunk_replies: int  # static: replies per journaled chunk
     prefill_tokens: int  # static: tokens per prefill forward
     cuda_graphs: bool  # static on CUDA: one CUDA graph per decode-step shape
+    attention: Literal["auto", "rows", "padded"]  # static's decode attention: each row's own columns (Triton) | every row over the longest's
 
 
 @dataclass(frozen=True)

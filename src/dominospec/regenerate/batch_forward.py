@@ -29,6 +29,8 @@ not read.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,17 @@ from dominospec.engine.packed import PackedLinear, packable
 from dominospec.models.lean import LeanDecoder
 
 ATTENTIONS = ("rows", "padded")  # decode attention: each row's own columns (Triton) | every row over [0, cols) (torch)
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """regenerate.attention (auto | rows | padded) on `device` -> rows | padded: auto = rows on CUDA; rows
+    needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)."""
+    if choice == "auto":
+        return "rows" if device.type == "cuda" else "padded"
+    if choice == "rows" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("regenerate.attention: rows runs a Triton kernel: it needs CUDA, or TRITON_INTERPRET=1 "
+                         f"on a {device.type} device (slow; padded is the CPU's fastest)")
+    return choice
 
 
 class BatchForward:

@@ -42,7 +42,7 @@ from dominospec.data.code_prompts import CodePrompts
 from dominospec.data.dataset import FEATURES, empty_split
 from dominospec.files import code_digest
 from dominospec.models.lean import DecoderOps, LeanDecoder
-from dominospec.regenerate.batch_forward import BatchForward
+from dominospec.regenerate.batch_forward import BatchForward, resolve_attention
 from dominospec.regenerate.decoder import DecodePolicy, Reply
 from dominospec.regenerate.dedup import Dedup
 from dominospec.regenerate.journal import Journal
@@ -217,7 +217,8 @@ class _Runner:
         """A static decoder of `batch_size` slots and `capacity` columns on the target's lean layers."""
         if self.lean is None:  # its fused q/k/v and gate/up weights: built once
             self.lean = LeanDecoder(self.target.model, DecoderOps.on(self.target.device.type == "cuda"))
-        forward = BatchForward(self.lean, self.cfg.batch_size, capacity)
+        forward = BatchForward(self.lean, self.cfg.batch_size, capacity,
+                               resolve_attention(self.cfg.attention, self.target.device))
         return StaticDecoder(forward, self.policy, longest_reply, graphs=self.cfg.cuda_graphs,
                              prefill_tokens=self.cfg.prefill_tokens)
 

@@ -47,6 +47,7 @@ from dominospec.config import Params, RegenerateParams
 from dominospec.data.chat import TemplateError, TemplateKwargs, render_batch, special_token_ids
 from dominospec.data.code_prompts import CodePrompts, code_prompts
 from dominospec.data.dataset import FEATURES, META_FILE, empty_split, read_dataset, write_dataset
+from dominospec.regenerate.batch_forward import resolve_attention
 from dominospec.regenerate.journal import Journal
 from dominospec.regenerate.replies import decode_policy, first_prompt_length, rewrite_conversations
 from dominospec.regenerate.sequences import regenerate_static
@@ -151,6 +152,10 @@ def _regenerate_static(params: Params, target: Target, splits: DatasetDict, meta
                        code: CodePrompts | None, metrics_path: Path, started: float) -> None:
     """`regenerate.decoder: static` (regenerate.sequences) -> the dataset and metrics/regenerate.json."""
     cfg = params.regenerate
+    try:
+        attention = resolve_attention(cfg.attention, target.device)
+    except ValueError as error:
+        raise UserError(str(error)) from None
     train, val, report = regenerate_static(target, params, meta, splits, decode_policy(target, cfg), code,
                                            work_dir(params.paths.regenerated))
     regenerated = len(train)
@@ -166,7 +171,7 @@ def _regenerate_static(params: Params, target: Target, splits: DatasetDict, meta
     sources = report.pop("sources")
     train_sources = {k: v for k, v in sources.items() if k != "val"}
     write_json(metrics_path, {
-        "enabled": True, "decoder": "static",
+        "enabled": True, "decoder": "static", "attention": attention,
         "conversations_regenerated": regenerated,  # train sequences labelled by the target, after dedup
         "sequences_by_source": {k: v["sequences"] for k, v in train_sources.items()},
         "original_conversations": originals, "original_skipped": dict(sorted(original_skipped.items())),
