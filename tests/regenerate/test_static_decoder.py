@@ -206,7 +206,8 @@ def test_smollm2_greedy_replies_equal_todays_decoder():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_graph_replays_equal_eager_steps(tiny_llama):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_cuda_graph_replays_equal_eager_steps(tiny_llama, attention):
     """On a GPU (Triton kernels): replies with every decode step a replayed CUDA graph equal the eager steps',
     greedy and sampled, and every shape's capture succeeded."""
     import copy
@@ -217,7 +218,7 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_llama):
     policy = DecodePolicy(stop_ids=(STOP,), loop_ngram=2, loop_repeats=3)
     out = {}
     for graphs in (False, True):
-        forward = BatchForward(LeanDecoder(model, DecoderOps.triton()), 8, 128)
+        forward = BatchForward(LeanDecoder(model, DecoderOps.triton()), 8, 128, attention)
         decoder = StaticDecoder(forward, policy, 30, graphs=graphs, prefill_tokens=64)
         replies = {}
         decoder.run(jobs, lambda i, r: replies.__setitem__(i, r.tokens))
