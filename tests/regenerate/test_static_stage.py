@@ -153,20 +153,34 @@ def test_static_run_writes_one_sequence_per_reply_from_every_source(run, smollm2
 
 
 def test_static_greedy_first_turns_equal_the_stream_decoders(prepared, tiny_target_dir):
-    """max_turns 1, greedy, no samples: the static stage writes the replies today's stage writes."""
+    """max_turns 1, greedy, no samples: the static stage writes the replies today's stage writes, with
+    either decode attention (rows: the Triton kernel, interpreted)."""
     root, source, prepared_path = prepared
     replies = {}
-    for decoder in ("stream", "static"):
+    for decoder, attention in (("stream", "auto"), ("static", "padded"), ("static", "rows")):
         keys = dict(decoder=decoder, max_turns=1, samples=0, magpie_prompts=0, dedup="none", max_val_conversations=0,
-                    loop_ngram=2, loop_repeats=3, linear="torch")
-        params_file = _params(root, root / decoder, tiny_target_dir, source, **keys)
+                    loop_ngram=2, loop_repeats=3, linear="torch", attention=attention)
+        params_file = _params(root, root / f"{decoder}-{attention}", tiny_target_dir, source, **keys)
         _paths_with(params_file, prepared_path)
         params = load_params(params_file)
         regenerate(params)
         out, _ = read_dataset(params.paths.regenerated)
-        replies[decoder] = {r["id"]: r["messages"][-1]["content"] for r in out["train"]}
+        replies[attention] = {r["id"]: r["messages"][-1]["content"] for r in out["train"]}
+        if decoder == "static":
+            metrics = json.loads((root / f"{decoder}-{attention}" / "metrics" / "regenerate.json").read_text())
+            assert metrics["attention"] == attention
     prepared_splits, _ = read_dataset(prepared_path)
-    assert replies["static"] == replies["stream"] and len(replies["static"]) == min(8, len(prepared_splits["train"]))
+    assert replies["padded"] == replies["rows"] == replies["auto"]
+    assert len(replies["rows"]) == min(8, len(prepared_splits["train"]))
+
+
+def test_rows_attention_off_cuda_needs_the_interpreter(prepared, tiny_target_dir, monkeypatch):
+    root, source, prepared_path = prepared
+    params_file = _params(root, root / "no-interpreter", tiny_target_dir, source, attention="rows")
+    _paths_with(params_file, prepared_path)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(UserError, match="regenerate.attention: rows runs a Triton kernel"):
+        regenerate(load_params(params_file))
 
 
 def test_static_only_keys_are_refused_on_the_stream_decoder(prepared, tiny_target_dir):
@@ -178,9 +192,10 @@ def test_static_only_keys_are_refused_on_the_stream_decoder(prepared, tiny_targe
 
 def test_a_killed_static_run_resumes_without_redoing_finished_chunks(prepared, run, tiny_target_dir):
     """SIGKILL the real stage once a chunk of train replies is journaled; the rerun reads those back and ends
-    with what the uninterrupted run wrote."""
+    with what the uninterrupted run wrote. The killed run decodes with the rows attention (interpreted), the
+    uninterrupted one with padded: every source's replies (greedy, sampled, self-written prompts) agree."""
     root, source, prepared_path = prepared
-    params_file = _params(root, root / "killed", tiny_target_dir, source, chunk_replies=4)
+    params_file = _params(root, root / "killed", tiny_target_dir, source, chunk_replies=4, attention="rows")
     _paths_with(params_file, prepared_path)
     params = load_params(params_file)
     journal = work_dir(params.paths.regenerated) / "journal-static-train.jsonl"
