@@ -14,6 +14,9 @@ The lean decoder's layer (the engine's `engine.lean_target`, nine launches a lay
 - tree_attention: a draft tree's rows (or one row) over the KV cache, ancestors-only bitmask.
 - silu_mul: SiLU(gate) · up of a fused gate/up projection.
 
+The regenerate stage's static decoder (`regenerate.attention: rows`):
+- decode_attention: one query row of each of B sequences over its own cached columns (per-row lengths).
+
 Training:
 - cross_entropy: fused per-row cross-entropy over a wide vocabulary (`train.ce_kernel`).
 
