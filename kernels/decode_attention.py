@@ -13,9 +13,10 @@ Kernel: program (row, kv head) stacks the G = Hq/Hkv query heads sharing that kv
 dimension (padded to BLOCK_M = 16, tl.dot's smallest), streams the row's columns in blocks of
 BLOCK_N with an online softmax in fp32 (exp2 domain): whole blocks unmasked, the last partial one
 masked. B·Hkv programs: 3,072 at SmolLM2's 3 kv heads and 1,024 rows, more than an H100's SMs hold
-at once, so no split of the column range is needed. Arithmetic as `tree_attention`'s (shared
-`_store_out`): q·Kᵀ on tl.dot from the storage dtype with fp32 accumulation, P rounded to the storage
-dtype for P·V; under TRITON_INTERPRET=1 the dot operands are widened to fp32 first.
+at once, so no split of the column range is needed. A column block is `tree_attention`'s
+(`_attend_block`, with the whole row as context: start = end = seen, so no mask word is read), and
+so is its arithmetic: q·Kᵀ on tl.dot from the storage dtype with fp32 accumulation, P rounded to
+the storage dtype for P·V; under TRITON_INTERPRET=1 the dot operands are widened to fp32 first.
 
 Order: reference, kernel, launcher.
 """
@@ -29,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dominospec.kernels.rms_norm import round_rtne
-from dominospec.kernels.tree_attention import _block_d, _store_out
+from dominospec.kernels.tree_attention import _attend_block, _block_d, _store_out
 
 BLOCK_M = 16  # query heads of one kv head, padded: tl.dot's smallest M
 BLOCK_N = 64  # cache columns a block
@@ -59,38 +59,6 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
-def _fold_block(acc, m_i, l_i, q, k_base, v_base, n0, seen, stride_kc, stride_vc, qk_scale, offs_d, mask_d,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Columns n0 .. n0+BLOCK_N-1 folded into the online softmax: acc [BLOCK_M, BLOCK_D], m_i / l_i
-    [BLOCK_M] fp32 (running max in the log2 domain, running sum). MASKED: columns >= seen are not
-    loaded and score -inf (the block holds at least one column < seen). Padded head_dim columns
-    (mask_d false) load as 0."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    valid = offs_n < seen
-    if MASKED:
-        kT = tl.load(k_base + offs_n[None, :] * stride_kc + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
-                     other=0.0)  # Kᵀ [BLOCK_D, BLOCK_N]
-        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
-                    other=0.0)  # V [BLOCK_N, BLOCK_D]
-    else:
-        kT = tl.load(k_base + offs_n[None, :] * stride_kc + offs_d[:, None], mask=mask_d[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    dtype = v.dtype  # storage dtype: P is rounded to it
-    if DOT_FP32:
-        kT = kT.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-    if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds a valid column
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(round_rtne(p, dtype).to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seen_ptr, G, qk_scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_kc, stride_vs, stride_vh, stride_vc, stride_ob, stride_oh,
@@ -112,16 +80,18 @@ def _decode_attention_kernel(
     seen = tl.load(seen_ptr + b).to(tl.int64)
     k_base = k_ptr + b * stride_ks + kvh * stride_kh
     v_base = v_ptr + b * stride_vs + kvh * stride_vh
+    no_words = seen_ptr + 0 * offs_m  # [BLOCK_M] pointers never read: every column is context (< start = seen)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     full_end = (seen // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _fold_block(acc, m_i, l_i, q, k_base, v_base, n0, seen, stride_kc, stride_vc, qk_scale,
-                                    offs_d, mask_d, BLOCK_N, False, DOT_FP32)
-    if full_end < seen:
-        acc, m_i, l_i = _fold_block(acc, m_i, l_i, q, k_base, v_base, full_end, seen, stride_kc, stride_vc, qk_scale,
-                                    offs_d, mask_d, BLOCK_N, True, DOT_FP32)
+    for n0 in range(0, full_end, BLOCK_N):  # whole blocks: no mask
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, no_words, mask_m, k_base, v_base, n0, seen, seen, stride_kc,
+                                      stride_vc, qk_scale, offs_d, mask_d, BLOCK_N, False, D != BLOCK_D, DOT_FP32)
+    if full_end < seen:  # the last partial block: columns >= seen are not loaded and score -inf
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, no_words, mask_m, k_base, v_base, full_end, seen, seen,
+                                      stride_kc, stride_vc, qk_scale, offs_d, mask_d, BLOCK_N, True, D != BLOCK_D,
+                                      DOT_FP32)
     _store_out(out_ptr + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], acc, l_i, mask_m, mask_d)
 
 
