@@ -20,10 +20,10 @@ its first run capturing the graphs and later runs warm (`--rounds`), once per `-
 
 --random-shape NAME (default smollm2-135m, benchmarks/common/random_models.py) needs no weights
 and no tokenizer: random weights of the named shape in the params' dtype, and `--prompts` random
-prompts whose lengths follow a log-normal (median PROMPT_MEDIAN tokens, sigma PROMPT_SIGMA, within
-[PROMPT_MIN, max_length - max_new_tokens]) and whose reply budgets an exponential (mean
-REPLY_MEAN tokens, at most max_new_tokens; the real SmolLM2's replies averaged 113 tokens on the
-H100 run of 2026-12-07, loops cut). A random model neither stops nor loops the way the target does,
+prompts whose lengths follow a log-normal (median --prompt-median, default PROMPT_MEDIAN tokens as
+ShareGPT's first turns; sigma PROMPT_SIGMA; within [PROMPT_MIN, max_length - max_new_tokens]) and
+whose reply budgets an exponential (mean REPLY_MEAN tokens, at most max_new_tokens; the real
+SmolLM2's replies averaged 113 tokens on the H100 run of 2026-12-07, loops cut). A random model neither stops nor loops the way the target does,
 so every reply runs to its own budget: no stop token, the loop check run every step but never
 cutting (loop_repeats unreachable). The stream path then runs `ReplyStream` on the ids, as
 `rewrite_conversations` does for first turns.
@@ -62,7 +62,9 @@ from dominospec.target import DTYPES, Target, TargetIdentity, load_target, pick_
 
 from common.random_models import TARGET_SHAPES, as_target, random_model, shape_config, word_level_tokenizer
 
-PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_MIN = 150, 1.0, 8  # --random-shape prompt lengths: log-normal, in tokens
+# --random-shape prompt lengths, log-normal in tokens: ShareGPT first turns in SmolLM2's chat template (607 of
+# the prepared train split, 2026-12-07) have median 54, mean 126, log-sd 0.85, p90 340 (a heavier tail than this)
+PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_MIN = 60, 1.0, 8
 REPLY_MEAN = 120  # --random-shape reply budgets: exponential mean (capped at max_new_tokens: about 106 on average at 256)
 NEVER = 1 << 30  # loop_repeats no reply reaches: the loop check runs, nothing is cut
 
@@ -106,13 +108,15 @@ def tiny_target(tparams) -> Target:
     return Target(model=model, tokenizer=tokenizer, identity=identity, device=device)
 
 
-def random_shape_jobs(count: int, vocab: int, max_new_tokens: int, max_length: int, seed: int = 0) -> list[ReplyJob]:
-    """`count` greedy jobs of random prompt ids (log-normal lengths) and exponential reply budgets (module docstring)."""
+def random_shape_jobs(count: int, vocab: int, max_new_tokens: int, max_length: int, median: float = PROMPT_MEDIAN,
+                      seed: int = 0) -> list[ReplyJob]:
+    """`count` greedy jobs of random prompt ids (log-normal lengths of this median) and exponential reply
+    budgets (module docstring)."""
     g = torch.Generator().manual_seed(seed)
     longest = max_length - max_new_tokens
     if longest < PROMPT_MIN:
         raise ValueError(f"max_length {max_length} leaves no room for a prompt beside {max_new_tokens} new tokens")
-    lengths = (torch.randn(count, generator=g) * PROMPT_SIGMA + math.log(PROMPT_MEDIAN)).exp()
+    lengths = (torch.randn(count, generator=g) * PROMPT_SIGMA + math.log(median)).exp()
     lengths = lengths.round().long().clamp(PROMPT_MIN, longest).tolist()
     budgets = (torch.empty(count).exponential_(1 / REPLY_MEAN, generator=g)).ceil().long().clamp(1, max_new_tokens)
     return [ReplyJob(tuple(torch.randint(3, vocab, (n,), generator=g).tolist()), int(b))
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="a random 2-layer model on the target's tokenizer")
     ap.add_argument("--random-shape", nargs="?", const="smollm2-135m", default=None, choices=sorted(TARGET_SHAPES),
                     help="random weights of this shape on random prompt ids: no GGUF, no tokenizer (module docstring)")
+    ap.add_argument("--prompt-median", type=float, default=PROMPT_MEDIAN,
+                    help="--random-shape: the prompts' median length in tokens (longer: every assistant turn's history)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--slots", type=int, default=32, help="regenerate.batch_size for both paths")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         config = shape_config(args.random_shape)
         target = as_target(random_model(config, DTYPES[cfg.dtype], device), word_level_tokenizer(config.vocab_size),
                            f"random {args.random_shape}")
-        jobs = random_shape_jobs(args.prompts, config.vocab_size, cfg.max_new_tokens, max_length)
+        jobs = random_shape_jobs(args.prompts, config.vocab_size, cfg.max_new_tokens, max_length, args.prompt_median)
         policy = DecodePolicy(stop_ids=(), loop_ngram=cfg.loop_ngram, loop_repeats=NEVER)
         as_tokens: Callable[[list[int]], list[int]] = list
     else:
