@@ -40,6 +40,7 @@ import dataclasses
 import json
 import lzma
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -157,9 +158,13 @@ def run_stream_ids(target, jobs, cfg, policy, max_length) -> tuple[list[list[int
 
 def run_static(target, lean, jobs, cfg, policy, attention: str,
                as_tokens: Callable[[list[int]], list[int]]) -> tuple[list[list[int]], int, float, int]:
-    """The static path -> (as_tokens(reply tokens) per job, tokens generated, seconds, graphs captured)."""
+    """The static path with `attention` (padded | rows | rows:BLOCK_N:WARPS) -> (as_tokens(reply tokens) per
+    job, tokens generated, seconds, graphs captured)."""
     capacity = max(len(j.prompt) + j.budget - 1 for j in jobs)
-    forward = BatchForward(lean, cfg.batch_size, -(-capacity // COLUMN_STEP) * COLUMN_STEP, attention)
+    name, *knobs = attention.split(":")
+    forward = BatchForward(lean, cfg.batch_size, -(-capacity // COLUMN_STEP) * COLUMN_STEP, name)
+    if knobs:
+        forward.rows_knobs = {"block_n": int(knobs[0]), "num_warps": int(knobs[1])}
     decoder = StaticDecoder(forward, policy, max(j.budget for j in jobs), cfg.cuda_graphs, cfg.prefill_tokens)
     replies: list[list[int]] = [[] for _ in jobs]
     generated = [0]
@@ -196,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default=None, help="regenerate.dtype (default: the params')")
     ap.add_argument("--prefill-tokens", type=int, default=None)
     ap.add_argument("--attention", default=None, help="comma-separated decode attentions of the static path, each "
-                                                      "run --rounds times (default: padded,rows on CUDA, padded "
-                                                      "elsewhere; rows off CUDA needs TRITON_INTERPRET=1)")
+                                                      "run --rounds times: padded, rows, or rows:BLOCK_N:WARPS (the "
+                                                      "kernel's column block and warps; default: padded,rows on CUDA, "
+                                                      "padded elsewhere; rows off CUDA needs TRITON_INTERPRET=1)")
     ap.add_argument("--rounds", type=int, default=2, help="static runs per attention (the first captures the CUDA graphs)")
     ap.add_argument("--skip-stream", action="store_true", help="only the static path (e.g. at a size today's path "
                                                                   "takes too long for)")
@@ -232,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(params.regenerate.num_threads)
     cuda = target.device.type == "cuda"
     attentions = (args.attention or ("padded,rows" if cuda else "padded")).split(",")
-    if not set(attentions) <= set(ATTENTIONS):
-        raise SystemExit(f"--attention: each of {ATTENTIONS}, got {args.attention!r}")
+    if not all(a in ATTENTIONS or re.fullmatch(r"rows:\d+:\d+", a) for a in attentions):
+        raise SystemExit(f"--attention: each of {ATTENTIONS} or rows:BLOCK_N:WARPS, got {args.attention!r}")
     lean = LeanDecoder(target.model, DecoderOps.on(cuda))  # before the packing below
     rows: list[dict] = []
     stream: Optional[list[list[int]]] = None

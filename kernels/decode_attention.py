@@ -33,7 +33,8 @@ import triton.language as tl
 from dominospec.kernels.tree_attention import _attend_block, _block_d, _store_out
 
 BLOCK_M = 16  # query heads of one kv head, padded: tl.dot's smallest M
-BLOCK_N = 64  # cache columns a block
+BLOCK_N = 64  # cache columns a block (a guess, not yet swept on a GPU: benchmarks/regenerate_static.py --attention rows:N:W)
+NUM_WARPS = 4
 
 # ---- reference --------------------------------------------------------------------------------
 
@@ -99,9 +100,10 @@ def _decode_attention_kernel(
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seen: torch.Tensor,
-                     scale: float, num_warps: int = 4) -> torch.Tensor:
+                     scale: float, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q [B, Hq, D], caches [S, Hkv, C, D] (S >= B), seen [B] long on the device (1 <= seen[b] <= C, not
-    checked: no host read) -> out [B, Hq, D] in q's dtype (contiguous). One launch, grid (B, Hkv), no host sync."""
+    checked: no host read) -> out [B, Hq, D] in q's dtype (contiguous). One launch, grid (B, Hkv), no host
+    sync; block_n (a power of two >= 16) columns a block, num_warps a program."""
     B, Hq, D = q.shape
     S, Hkv, C, Dk = k_cache.shape
     assert S >= B and Hq % Hkv == 0 and Hq // Hkv <= BLOCK_M and Dk == D and v_cache.shape == k_cache.shape
@@ -112,7 +114,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, out, seen, Hq // Hkv, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=_block_d(D), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
+        D=D, BLOCK_D=_block_d(D), BLOCK_M=BLOCK_M, BLOCK_N=block_n, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps,
     )
     return out

@@ -51,3 +51,12 @@ def test_decode_attention_reads_each_rows_own_length():
     longer = decode_attention(q, k, v, torch.tensor([6, 40, BLOCK_N + 8], device=DEVICE), 0.25)
     assert not torch.allclose(base[0], longer[0]) and torch.equal(base[1:], longer[1:])
     assert_close_scaled(base, decode_attention_reference(q, k, v, lengths, 0.25), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("block_n, num_warps", [(16, 2), (128, 8)])
+def test_decode_attention_knobs_keep_the_result(block_n, num_warps):
+    """Other column blocks and warps (the benchmark's rows:BLOCK_N:WARPS) compute the same attention."""
+    seen = [1, 17, 128, 200]
+    q, k, v, lengths = _case(4, 4, 9, 3, 256, 64, seen, torch.float32, seed=3)
+    out = decode_attention(q, k, v, lengths, 0.125, block_n=block_n, num_warps=num_warps)
+    assert_close_scaled(out, decode_attention_reference(q, k, v, lengths, 0.125), TOL[torch.float32])

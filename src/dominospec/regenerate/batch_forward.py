@@ -63,6 +63,7 @@ class BatchForward:
             from dominospec.kernels.decode_attention import decode_attention
 
             self._decode_attention = decode_attention
+        self.rows_knobs: dict[str, int] = {}  # rows: the kernel's block_n / num_warps, if not its defaults
         stack = decoder.stack
         self.decoder, self.stack, self.ops = decoder, stack, decoder.ops
         self.Hq, self.Hkv, self.D = stack.Hq, stack.Hkv, stack.D
@@ -98,7 +99,8 @@ class BatchForward:
             # q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq * D]
             self._write(layer, at, k.reshape(B * self.Hkv, self.D), v.reshape(B * self.Hkv, self.D))
             if self.attention == "rows":
-                out = self._decode_attention(q, self.keys[layer], self.values[layer], seen, self.stack.scale)  # [B, Hq, D]
+                out = self._decode_attention(q, self.keys[layer], self.values[layer], seen, self.stack.scale,
+                                             **self.rows_knobs)  # [B, Hq, D]
             else:
                 keys, values = self.keys[layer, :B, :, :cols], self.values[layer, :B, :, :cols]  # [B, Hkv, cols, D] views
                 out = gqa_one_query(q[:, :, None], keys, values, mask, self.stack.scale)  # [B, 1, Hq, D]
