@@ -57,7 +57,7 @@ from dominospec.regenerate.batch_forward import ATTENTIONS, BatchForward
 from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
 from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 from dominospec.regenerate.replies import decode_policy, rewrite_conversations
-from dominospec.regenerate.static_decoder import COLUMN_STEP, ReplyJob, StaticDecoder
+from dominospec.regenerate.static_decoder import COLUMN_STEP, REFILL, ReplyJob, StaticDecoder
 from dominospec.regenerate.stage import first_turns
 from dominospec.target import DTYPES, Target, TargetIdentity, load_target, pick_device, resolve_source
 
@@ -156,8 +156,8 @@ def run_stream_ids(target, jobs, cfg, policy, max_length) -> tuple[list[list[int
     return replies, generated, time.perf_counter() - started
 
 
-def run_static(target, lean, jobs, cfg, policy, attention: str,
-               as_tokens: Callable[[list[int]], list[int]]) -> tuple[list[list[int]], int, float, int]:
+def run_static(target, lean, jobs, cfg, policy, attention: str, as_tokens: Callable[[list[int]], list[int]],
+               refill: int = REFILL) -> tuple[list[list[int]], int, float, int]:
     """The static path with `attention` (padded | rows | rows:BLOCK_N:WARPS) -> (as_tokens(reply tokens) per
     job, tokens generated, seconds, graphs captured)."""
     capacity = max(len(j.prompt) + j.budget - 1 for j in jobs)
@@ -165,7 +165,7 @@ def run_static(target, lean, jobs, cfg, policy, attention: str,
     forward = BatchForward(lean, cfg.batch_size, -(-capacity // COLUMN_STEP) * COLUMN_STEP, name)
     if knobs:
         forward.rows_knobs = {"block_n": int(knobs[0]), "num_warps": int(knobs[1])}
-    decoder = StaticDecoder(forward, policy, max(j.budget for j in jobs), cfg.cuda_graphs, cfg.prefill_tokens)
+    decoder = StaticDecoder(forward, policy, max(j.budget for j in jobs), cfg.cuda_graphs, cfg.prefill_tokens, refill)
     replies: list[list[int]] = [[] for _ in jobs]
     generated = [0]
 
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                                                       "run --rounds times: padded, rows, or rows:BLOCK_N:WARPS (the "
                                                       "kernel's column block and warps; default: padded,rows on CUDA, "
                                                       "padded elsewhere; rows off CUDA needs TRITON_INTERPRET=1)")
+    ap.add_argument("--refill", type=int, default=REFILL, help="the static decoder refills free rows once 1/REFILL "
+                                                                 "of them are free")
     ap.add_argument("--rounds", type=int, default=2, help="static runs per attention (the first captures the CUDA graphs)")
     ap.add_argument("--skip-stream", action="store_true", help="only the static path (e.g. at a size today's path "
                                                                   "takes too long for)")
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                          "seconds": seconds, "same_as_stream": 1.0})
         for attention in attentions:
             for round_ in range(args.rounds):
-                static, tokens, seconds, graphs = run_static(target, lean, jobs, cfg, policy, attention, as_tokens)
+                static, tokens, seconds, graphs = run_static(target, lean, jobs, cfg, policy, attention, as_tokens,
+                                                             args.refill)
                 same = None if stream is None else sum(a == b for a, b in zip(static, stream)) / len(stream)
                 captures = " (captures graphs)" if round_ == 0 and graphs else ""
                 rows.append({"path": f"static {attention}{captures}", "attention": attention, "graphs": graphs,
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"device": device, "model": "tiny random" if args.tiny else target.identity.name, "dtype": cfg.dtype,
               "prompts": len(jobs), "prompt_tokens_mean": sum(prompt_tokens) / len(jobs),
               "prompt_tokens_max": max(prompt_tokens), "slots": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
-              "loop_ngram": cfg.loop_ngram, "random_shape": args.random_shape, "torch": torch.__version__, "rows": rows}
+              "loop_ngram": cfg.loop_ngram, "refill": args.refill, "random_shape": args.random_shape, "torch": torch.__version__, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"{record['model']}, {device}, {cfg.dtype}, {len(jobs)} prompts (mean {record['prompt_tokens_mean']:.0f} "

@@ -25,7 +25,7 @@ running reply's tokens.
 
 Scheduling. Jobs are taken in the given order (the stage sorts them by prompt length, so rows that
 run together have similar lengths and `cols` stays close to what they hold). Free rows are refilled
-once an eighth of them are free (or none runs): their prompts are prefilled together, right-padded,
+once 1/`refill` of them are free (an eighth by default; or none runs): their prompts are prefilled together, right-padded,
 in forwards of <= `prefill_tokens` tokens. When no job is left to start, the running rows are moved
 into the lowest rows as soon as they fit the next smaller row bucket (powers of two), so the tail
 of a run costs what it decodes.
@@ -49,7 +49,7 @@ from dominospec.regenerate.decoder import DecodePolicy, Reply
 from dominospec.regenerate.loops import loop_cuts
 from dominospec.regenerate.picking import pick
 
-REFILL = 8  # free rows are refilled once 1/REFILL of the rows are free
+REFILL = 8  # free rows are refilled once 1/REFILL of the rows are free (the default of `refill`)
 COLUMN_STEP = 128  # the attention reads the columns up to the next multiple of this
 MIN_ROWS = 8  # the smallest row bucket
 WARMUPS = 2  # eager runs of a step before its capture (Triton compiles, cuBLAS allocates)
@@ -101,8 +101,8 @@ class StaticDecoder:
     """Replies of many jobs decoded together on `forward`'s slots (module docstring)."""
 
     def __init__(self, forward: BatchForward, policy: DecodePolicy, max_new_tokens: int, graphs: bool,
-                 prefill_tokens: int):
-        self.forward, self.policy, self.prefill_tokens = forward, policy, prefill_tokens
+                 prefill_tokens: int, refill: int = REFILL):
+        self.forward, self.policy, self.prefill_tokens, self.refill = forward, policy, prefill_tokens, refill
         self.slots, self.device = forward.slots, forward.device
         self.graphs_on = graphs and self.device.type == "cuda"
         self.state = _State(self.slots, max_new_tokens, self.device)
@@ -131,7 +131,7 @@ class StaticDecoder:
             while True:
                 busy = np.flatnonzero(self.row_job[:B] >= 0)
                 free = np.flatnonzero(self.row_job[:B] < 0)
-                if queue and len(free) and (len(free) >= max(1, B // REFILL) or not len(busy)):
+                if queue and len(free) and (len(free) >= max(1, B // self.refill) or not len(busy)):
                     self._refill(free.tolist(), queue)
                     self._harvest(B)
                     continue
