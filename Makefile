@@ -59,7 +59,7 @@ repro: setup
 	source $(VENV)/bin/activate && dvc repro
 
 test: setup sglang-ref
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=30
 
 test-fast: setup sglang-ref
 	$(PY) -m pytest tests -q -m "not slow"

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dominospec.config import load_params
+from dominospec.precision import resolve_dtype
 from dominospec.data.chat import render_text
 from dominospec.data.dataset import read_dataset
 from dominospec.engine.packed import pack_linears
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dataclasses.replace(params.regenerate, batch_size=args.slots, max_new_tokens=args.max_new_tokens,
                               temperature=0.0, dtype=args.dtype or params.regenerate.dtype,
                               prefill_tokens=args.prefill_tokens or params.regenerate.prefill_tokens)
-    target.model.to(DTYPES[cfg.dtype])
+    target.model.to(DTYPES[resolve_dtype(cfg.dtype, target.device)])
     if params.regenerate.num_threads:
         torch.set_num_threads(params.regenerate.num_threads)
     conversations = first_turn_conversations(args, params, target.tokenizer)
