@@ -59,7 +59,8 @@ repro: setup
 	source $(VENV)/bin/activate && dvc repro
 
 test: setup sglang-ref
-	$(PY) -m pytest tests -q
+	@$(PY) -c "import torch; from dominospec.precision import bf16_is_fast; print('CPU:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', bf16_is_fast('cpu'), '| threads:', torch.get_num_threads())"
+	$(PY) -m pytest tests -q --durations=30
 
 test-fast: setup sglang-ref
 	$(PY) -m pytest tests -q -m "not slow"

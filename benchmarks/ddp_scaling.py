@@ -322,13 +322,15 @@ def revalidate(params: Any) -> dict[str, Any]:
     import lightning as L
     from safetensors.torch import load_file
 
+    from dominospec.precision import resolve_precision
     from dominospec.train.build import build_training
     from dominospec.train.stage import training_numerics
 
     with training_numerics():
         setup = build_training(params)
         setup.module.draft.load_state_dict(load_file(Path(params.paths.checkpoints) / "final" / "model.safetensors"))
-        trainer = L.Trainer(accelerator=params.train.accelerator, devices=1, precision=params.train.precision,
+        precision = resolve_precision(params.train.precision, params.train.accelerator)
+        trainer = L.Trainer(accelerator=params.train.accelerator, devices=1, precision=precision,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.validate(setup.module, datamodule=setup.datamodule, verbose=False)

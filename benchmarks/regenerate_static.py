@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from dominospec.config import load_params
+from dominospec.precision import resolve_dtype
 from dominospec.data.chat import render_text
 from dominospec.data.dataset import read_dataset
 from dominospec.engine.packed import pack_linears
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     max_length, kwargs = params.prepare.max_length, params.target.chat_template_kwargs
     if args.random_shape:
         device = pick_device(params.target.device)
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
         config = shape_config(args.random_shape)
         target = as_target(random_model(config, DTYPES[cfg.dtype], device), word_level_tokenizer(config.vocab_size),
                            f"random {args.random_shape}")
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         tparams = params.target if not args.gguf_dir else dataclasses.replace(params.target, model=args.gguf_dir)
         target = tiny_target(tparams) if args.tiny else load_target(tparams)
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, target.device))
         target.model.to(DTYPES[cfg.dtype])
         conversations = first_turn_conversations(args, params, target.tokenizer)
         tok, policy = target.tokenizer, decode_policy(target, cfg)

@@ -139,7 +139,7 @@ def test_layers_point_down():
 
 # The library's subpackages (and top-level modules), bottom first: each imports only what sits below it
 # (or itself). Stages (`*.stage`, cli) obey it too; `dominospec` itself (the version) is below all.
-LAYERS = ["errors", "files", "config", "presets", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
+LAYERS = ["errors", "files", "config", "precision", "presets", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
           "export", "serve", "eval", "card", "retrain", "stages", "cli"]
 
 

@@ -63,6 +63,7 @@ def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Option
 
     from dominospec.train.datamodule import StepBatchSampler
     from dominospec.train.datamodule import collate as stage_collate
+    from dominospec.precision import resolve_precision
     from dominospec.train.module import DraftLitModule
 
     draft = new_draft(params, target)
@@ -71,7 +72,7 @@ def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Option
     data = data if data is not None else Sequences(512, target.identity.vocab_size)
     clock = StepClock(skip)
     trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
-                        precision=params.train.precision, gradient_clip_val=params.train.grad_clip,
+                        precision=resolve_precision(params.train.precision, params.train.accelerator), gradient_clip_val=params.train.grad_clip,
                         log_every_n_steps=params.train.log_every_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[clock.callback],
                         limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)

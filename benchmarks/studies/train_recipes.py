@@ -80,6 +80,7 @@ def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str
     """-> (validation summary, trained setup, seconds of fit); the val walk also sampled at `temperature`."""
     import lightning as L
 
+    from dominospec.precision import resolve_precision
     from dominospec.train.build import build_training
 
     train = dataclasses.replace(params.train, features="online", max_steps=steps, batch_size=recipe["batch_size"],
@@ -91,7 +92,8 @@ def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str
     setup = build_training(run_params, train_limit=recipe["limit"])
     if recipe.get("init"):
         init_from_target(setup)
-    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator=accelerator, devices=1, precision=train.precision,
+    precision = resolve_precision(train.precision, accelerator)
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator=accelerator, devices=1, precision=precision,
                         gradient_clip_val=train.grad_clip, val_check_interval=steps, check_val_every_n_epoch=None,
                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         use_distributed_sampler=False, enable_model_summary=False)

@@ -106,7 +106,7 @@ class RegenerateParams:
     top_p: float
     batch_size: int
     seed: int
-    dtype: Literal["float32", "bfloat16", "float16"]  # regeneration compute dtype (the target is cast to it)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]  # regeneration compute dtype (the target is cast to it); auto: precision.py
     linear: Literal["packed", "torch"]  # packed: the target's linears pre-packed for oneDNN (CPU fp32/bf16)
     loop_ngram: Optional[int]  # None/0: keep repetition loops; n: cut a reply once an n-gram recurs
     loop_repeats: int  # ... `loop_repeats` times (>= 2); the reply keeps one copy of the loop
@@ -136,7 +136,7 @@ class CacheParams:
     batch_tokens: int
     shard_tokens: int
     dtype: Literal["bfloat16", "float16", "float32"]
-    compute_dtype: Optional[Literal["float32", "bfloat16", "float16"]]  # the target's dtype for the features; null = target.dtype
+    compute_dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]]  # the target's dtype for the features; null = target.dtype; auto: precision.py
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class TrainParams:
     walk_minutes: list[float]  # the val walk (greedy and sampled) at these minutes of training wall time -> MLflow, metrics/train_walk.json
     log_every_steps: int
     seed: int
-    precision: str  # Lightning precision: 32-true | bf16-mixed | bf16-true
+    precision: str  # Lightning precision: 32-true | bf16-mixed | bf16-true | auto (bf16-mixed where bf16 is fast: precision.py)
     accelerator: str  # auto | cpu | gpu
     devices: int
     num_nodes: int
@@ -216,7 +216,7 @@ class EngineParams:
     """Speed knobs of the built-in engine (evaluate, generate, built-in serve). None changes what is generated."""
 
     linear: Literal["auto", "packed", "torch"]  # packed: target + draft linears pre-packed for oneDNN (CPU fp32/bf16); auto: the faster one-row forward
-    draft_dtype: Optional[Literal["float32", "bfloat16", "float16"]]  # draft path (backbone, base logits, rollout); null = target's
+    draft_dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]]  # draft path (backbone, base logits, rollout); null = target's; auto: precision.py
     candidate_pool: int  # M top base-logit candidates the rollout scores per block; 0 = the exact full vocabulary
     confidence_cut: float  # verify drafts while the product of their draft probabilities stays >= this; 0 = off
     acceptance_window: int  # auto-K: rounds of acceptance history (exponentially decayed) K follows

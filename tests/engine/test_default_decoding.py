@@ -4,7 +4,10 @@ SmolLM2-135M-Instruct (the packaged GGUF, fp32 CPU) and a draft of the default a
 (params `draft:`, a narrower MLP) trained here, with the project's objective, on the target's own
 greedy replies to the test's prompts, until it accepts deep. The default mode `domino` must resolve
 to DominoTree (best_first) with the prompt-lookup fork; on 4 prompts x 64 new tokens it equals AR
-token for token, and its drafts are accepted (pooled τ > 1.3, the tree's own tokens among them).
+token for token, at its whole tree budget with its drafts accepted (pooled τ > 1.3, the tree's own
+tokens among them), and with auto-K as evaluate runs it (whose drafting follows the host's timings:
+on a loaded or bf16-emulating 2-core host it verified few nodes, pooled τ 1.4, the same draft 2.3
+at the whole budget).
 Run: python -m pytest tests/engine/test_default_decoding.py -q
 """
 
@@ -66,9 +69,9 @@ def test_default_mode_resolves_to_dominotree_with_the_fork(default_setup):
     assert engine.proposer.fork and engine.lookup_k_max == params.engine.ngram_num_draft > 0
 
 
-def test_default_greedy_equals_ar_with_drafts_accepted(default_setup):
-    params, target, options, prompts, replies, draft = default_setup
-    engine = SpecEngine(target, draft, "domino", params.evaluate.num_draft, options)
+def decode_all(engine: SpecEngine, target, prompts, replies) -> tuple[int, int, int]:
+    """Every prompt decoded by `engine`, each equal to AR's reply token for token -> (tokens emitted,
+    rounds, the tree's own drafts accepted: lookups left out)."""
     emitted = rounds = tree_tokens = 0
     for prompt, reply in zip(prompts, replies):
         out = engine.generate(prompt, NEW_TOKENS)
@@ -77,7 +80,26 @@ def test_default_greedy_equals_ar_with_drafts_accepted(default_setup):
         assert stats.target_kv_length == stats.draft_context_length == len(prompt) + len(reply) - 1
         emitted += sum(stats.accepted_lengths)
         rounds += stats.rounds
-        tree_tokens += sum(stats.position_accepted)  # the tree's own drafts accepted (lookups left out)
+        tree_tokens += sum(stats.position_accepted)
+    return emitted, rounds, tree_tokens
+
+
+def test_default_greedy_equals_ar_with_drafts_accepted(default_setup):
+    """The default tree at its whole budget (K_max = engine.tree.nodes): what it accepts is a function
+    of the draft alone, not of this machine's timings, so τ is asserted here."""
+    params, target, options, prompts, replies, draft = default_setup
+    engine = SpecEngine(target, draft, "domino", None, options)
+    emitted, rounds, tree_tokens = decode_all(engine, target, prompts, replies)
     tau = emitted / rounds
     assert tau > 1.3, f"pooled τ {tau:.2f}: the drafts were hardly accepted"
     assert tree_tokens > 0.3 * rounds, f"{tree_tokens} tree drafts accepted in {rounds} rounds"
+
+
+def test_default_with_auto_k_equals_ar(default_setup):
+    """As evaluate resolves it (num_draft: auto): auto-K verifies the best n of the budget by this
+    machine's measured costs, so how much it drafts follows the host's load; its tokens never do."""
+    params, target, options, prompts, replies, draft = default_setup
+    assert params.evaluate.num_draft == "auto"
+    engine = SpecEngine(target, draft, "domino", params.evaluate.num_draft, options)
+    emitted, rounds, _ = decode_all(engine, target, prompts, replies)
+    assert emitted == len(prompts) * (NEW_TOKENS - 1) and rounds <= emitted  # the prefill emits each first token

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from dominospec.cache.writer import (
     write_shard,
 )
 from dominospec.errors import UserError
+from dominospec.precision import dtype_name, resolve_dtype
 from dominospec.config import CacheParams, Params
 from dominospec.data.dataset import META_FILE, read_dataset
 from dominospec.target import load_target, pick_device
@@ -123,6 +125,7 @@ def cache(params: Params) -> None:
             f"{params.paths.regenerated} was tokenized for target {source.meta.get('target', {}).get('name')!r}, "
             f"but target.model loads {target.identity.name!r}: re-run prepare/regenerate for this target"
         )
+    cp = dataclasses.replace(cp, compute_dtype=resolve_dtype(cp.compute_dtype, target.device))  # the manifest holds what ran
     if cp.compute_dtype is not None:  # features need not be bit-exact: bf16 runs several times faster than fp32 on an AVX-512 BF16 CPU (journal)
         target.model.to(fmt.DTYPES[cp.compute_dtype])
     loaded = time.perf_counter()
@@ -159,7 +162,7 @@ def cache(params: Params) -> None:
                 manifest = manifest.with_shard(split, shard)
                 fmt.write_manifest(root, manifest)
     run = {"computed_tokens": remaining, "seconds": time.perf_counter() - started, "load_seconds": loaded - started,
-           "compute_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch.")}
+           "compute_dtype": dtype_name(target.model)}
     write_metrics(Path(params.paths.metrics) / "cache.json", root, manifest, run)
 
 

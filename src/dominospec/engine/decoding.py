@@ -31,6 +31,7 @@ from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.models.lean import unsupported
+from dominospec.precision import resolve_dtype
 from dominospec.target import DTYPES, Target
 
 MODES = ("ar", "ngram", "dflash", "domino", "dominotree")
@@ -116,7 +117,7 @@ def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_dr
     if drafting:
         block_size = check_draft(draft, target, mode, head)
         kernels = head_kernels(params.head_kernel, target.device)
-        dtype = DTYPES[params.draft_dtype] if params.draft_dtype else dtype
+        dtype = DTYPES[resolve_dtype(params.draft_dtype, target.device)] if params.draft_dtype else dtype
     else:
         block_size = params.ngram_num_draft + 1 if mode == "ngram" else 1
     if tree:

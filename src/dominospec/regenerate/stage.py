@@ -53,6 +53,7 @@ from dominospec.regenerate.replies import decode_policy, first_prompt_length, re
 from dominospec.regenerate.sequences import regenerate_static
 from dominospec.engine.packed import pack_linears
 from dominospec.files import code_digest, replace_path, temp_sibling, write_json
+from dominospec.precision import dtype_name, resolve_dtype
 from dominospec.target import DTYPES, Target, load_target
 
 COUNTS = ("replies_at_max_new_tokens", "replies_at_max_length", "replies_loop_cut")  # summed into the metrics
@@ -82,7 +83,7 @@ def regenerate(params: Params) -> None:
             f"{params.paths.prepared} was prepared for target {meta['target']['name']}, not {target.identity.name}: "
             "re-run the prepare stage"
         )
-    target.model.to(DTYPES[cfg.dtype])
+    target.model.to(DTYPES[resolve_dtype(cfg.dtype, target.device)])
     if cfg.decoder == "static":
         return _regenerate_static(params, target, splits, meta, code, metrics_path, started)
     if cfg.linear == "packed":
@@ -139,7 +140,7 @@ def regenerate(params: Params) -> None:
             "temperature": cfg.temperature,
             "max_new_tokens": cfg.max_new_tokens,
             "batch_size": cfg.batch_size,
-            "dtype": cfg.dtype,
+            "dtype": dtype_name(target.model),
             "linear": cfg.linear,
             "loop_ngram": cfg.loop_ngram or None,
             "torch_threads": torch.get_num_threads(),
@@ -180,7 +181,7 @@ def _regenerate_static(params: Params, target: Target, splits: DatasetDict, meta
         **report, "sources": sources, "dedup": cfg.dedup, "max_turns": cfg.max_turns,
         "samples": cfg.samples, "sample_temperatures": cfg.sample_temperatures,
         "splits": {s: len(d) for s, d in out.items()}, "temperature": cfg.temperature,
-        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
+        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "dtype": dtype_name(target.model),
         "loop_ngram": cfg.loop_ngram or None, "device": str(target.device), "torch_threads": torch.get_num_threads(),
         "seconds": round(time.perf_counter() - started, 2),
     })  # fmt: skip

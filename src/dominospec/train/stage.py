@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dominospec.config import Params, as_flat_dict
 from dominospec.files import code_digest
+from dominospec.precision import resolve_precision
 from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 from dominospec.train.preempt import PreemptionCheckpoint, preemptible, raise_if_preempted
@@ -137,7 +138,7 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
         num_nodes=params.train.num_nodes,
         strategy=lightning_strategy(params),
         use_distributed_sampler=False,  # StepBatchSampler shards by rank itself
-        precision=params.train.precision,
+        precision=resolve_precision(params.train.precision, params.train.accelerator),
         gradient_clip_val=params.train.grad_clip,
         val_check_interval=params.train.val_every_steps,
         check_val_every_n_epoch=None,
