@@ -1,8 +1,7 @@
-"""params -> what the engine resolves from its params here (the head's kernels), sampling, and the target prepared once for every engine built on it."""
+"""params -> sampling, and the target prepared once for every engine built on it."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
@@ -14,20 +13,6 @@ from dominospec.engine.packed import pack_linears, unpack_linears
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
 from dominospec.target import Target
-
-
-def head_kernel(choice: str) -> str:
-    """engine.head_kernel -> the same choice, once Triton can run it here (CUDA, or TRITON_INTERPRET=1 on CPU)."""
-    if choice != "triton":
-        return choice
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise UserError("engine.head_kernel: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
-                        "slowly on CPU); set engine.head_kernel: torch on this machine")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise UserError("engine.head_kernel: triton, but the triton package is not installed") from None
-    return choice
 
 
 def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[], float]] = None) -> str:

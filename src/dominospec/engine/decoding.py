@@ -18,14 +18,13 @@ happens here, so a bad value stops before anything is built.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from dominospec.config import EngineParams
-from dominospec.engine.configure import head_kernel
-from dominospec.engine.head_kernels import triton_usable
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
@@ -93,9 +92,14 @@ class Decoding:
         return max(self.block_size, self.max_verify) + 1
 
     @property
+    def head_chain(self) -> bool:
+        """The Domino head drafts chains (not a tree)."""
+        return self.head and not self.tree
+
+    @property
     def head_chain_kernels(self) -> bool:
-        """The head's chain on the Triton kernels: a corrected chain (not a tree) with the kernels chosen."""
-        return self.kernels and self.head and not self.tree
+        """The head's chains on the Triton kernels."""
+        return self.kernels and self.head_chain
 
 
 def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_draft: Union[int, str, None],
@@ -168,10 +172,21 @@ def check_draft(draft: Optional[DFlashDraftModel], target: Target, mode: str, he
 
 
 def head_kernels(choice: str, device: torch.device) -> bool:
-    """engine.head_kernel -> whether the head runs on the Triton kernels: `triton` (checked: it runs
-    here), or `auto` on a CUDA draft with triton installed."""
-    choice = head_kernel(choice)
-    return choice == "triton" or (choice == "auto" and triton_usable(device))
+    """engine.head_kernel -> whether the head runs on the Triton kernels: `triton` (checked: CUDA, or
+    TRITON_INTERPRET=1 on CPU, and triton installed), `auto` on a CUDA draft with triton installed
+    (never on CPU, where the kernels only run interpreted, for tests), `torch` never."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return False
+    if choice == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise UserError("engine.head_kernel: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
+                        "slowly on CPU); set engine.head_kernel: torch on this machine")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if choice == "triton":
+            raise UserError("engine.head_kernel: triton, but the triton package is not installed") from None
+        return False
+    return True
 
 
 def check_tree(params: EngineParams) -> None:

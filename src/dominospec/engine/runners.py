@@ -16,7 +16,7 @@ rollouts and tree), and `graph_failures` names the shapes whose capture failed, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from dominospec.engine.decoding import Decoding
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
 from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from dominospec.models.lean import DecoderOps, LeanDecoder
@@ -92,7 +93,7 @@ class EngineRunners:
     def fits_static(self, rows: int) -> bool:
         return self.static and rows <= self.decoding.capacity
 
-    def pair(self, rows: int) -> tuple[Any, Any]:
+    def pair(self, rows: int) -> tuple[TargetRunner, Optional[DraftRunner]]:
         """A generation of at most `rows` positions -> (target KV runner, draft block runner or None), reset."""
         if self.fits_static(rows):
             capacity = next(c for c in self.capacities() if c >= rows)
@@ -109,7 +110,7 @@ class EngineRunners:
         self.last = (kv, drafter)
         return kv, drafter
 
-    def build(self, capacity: int) -> tuple[Any, Any]:
+    def build(self, capacity: int) -> tuple[TargetRunner, Optional[DraftRunner]]:
         """The static runners of one capacity bucket."""
         if self.lean is not None:
             kv = LeanTargetKV(self.lean, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
