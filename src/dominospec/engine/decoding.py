@@ -8,8 +8,11 @@ here, once, into what it means.
     ar          -       -      -          a plain target step a round
     ngram       -       -      chain      the prompt lookup is the draft
     dflash      yes     off    chain      the draft's base logits (head off)
-    domino      yes     on     engine.tree.shape (best_first: DominoTree; chain: the head's chain)
-    dominotree  yes     on     best_first, whatever engine.tree.shape says
+    domino      yes     on     engine.tree.shape (best_first: DominoTree greedy, the head's chain sampled;
+                               chain: the head's chain)
+    dominotree  yes     on     best_first, whatever engine.tree.shape says, greedy and sampled
+
+`domino` samples its chain (`sampled_chain`): sampled, the tree buys no τ (docs/design.md, "DominoTree").
 
 `name` keeps the resolved mode (`domino` on best_first reads `dominotree`) as a label for the stats
 and reports; nothing branches on it. Every check of the params and the draft against the target
@@ -54,7 +57,7 @@ class Decoding:
     drafting: a draft model proposes; head: the Domino head corrects it; tree: DominoTree's best-first
     tree of `nodes` nodes, each offering `children` (else a chain); block_size B (ngram: its lookup
     + 1; ar: 1); k_max: the drafts a round verifies at most, auto: chosen every round; cut: the
-    chain's confidence cut (0: off); pool: the candidate pool M (0: full vocabulary); window: auto-K's
+    chain's confidence cut (0: off); sampled_chain: a tree's sampled rounds draft the head's chain instead; pool: the candidate pool M (0: full vocabulary); window: auto-K's
     acceptance window; kernels: the head's Triton kernels (else torch ops); draft_dtype; packed: the
     draft path's linears packed for oneDNN; static: static caches of `capacity` rows, graphs: CUDA
     graphs replayed on them; lean: the target (and draft backbone) on the lean decoder."""
@@ -63,6 +66,7 @@ class Decoding:
     drafting: bool
     head: bool
     tree: bool
+    sampled_chain: bool
     nodes: int
     children: int
     block_size: int
@@ -93,8 +97,8 @@ class Decoding:
 
     @property
     def head_chain(self) -> bool:
-        """The Domino head drafts chains (not a tree)."""
-        return self.head and not self.tree
+        """The Domino head drafts chains: no tree, or a tree's sampled rounds."""
+        return self.head and (not self.tree or self.sampled_chain)
 
     @property
     def head_chain_kernels(self) -> bool:
@@ -131,6 +135,7 @@ def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_dr
     lookup = Lookup(lookup_k, params.ngram_min, params.ngram_max,
                     fork=params.ngram_fork and lookup_k > 0 and mode != "ngram")
     decoding = Decoding(name="dominotree" if tree else mode, drafting=drafting, head=head, tree=tree,
+                        sampled_chain=tree and mode == "domino",
                         nodes=params.tree.nodes if tree else 0, children=params.tree.children, block_size=block_size,
                         k_max=k_max, auto=auto, lookup=lookup, cut=params.confidence_cut, pool=params.candidate_pool,
                         window=params.acceptance_window, kernels=kernels, draft_dtype=dtype,

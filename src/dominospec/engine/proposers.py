@@ -10,10 +10,10 @@ three things and never looks at the mode:
 
 - `PlainSteps` (`ar`): nothing to propose, one target step a round.
 - `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
-- `DraftChains` (`dflash`, `domino` with engine.tree.shape chain): the draft's chain, cut where its
+- `DraftChains` (`dflash`, `domino` with engine.tree.shape chain or sampled): the draft's chain, cut where its
   confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces the draft, or,
   forking (greedy), is verified beside it. Auto-K chooses (K, L) together (`choose_fork`), or K alone.
-- `BestFirstTrees` (`domino` with best_first, the default; `dominotree`): the best-first tree
+- `BestFirstTrees` (`domino` with best_first, the default, greedy; `dominotree`): the best-first tree
   (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup
   beside it as in `DraftChains`.
 Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
@@ -254,13 +254,14 @@ class BestFirstTrees(Proposer):
                 self.since_solve = 0
 
 
-def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device) -> Proposer:
-    """The engine's proposer, chosen once from its Decoding (engine.decoding): the head's chain or
-    DominoTree's build (engine.draft_path) where a draft drafts, the lookup alone, or plain steps."""
+def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device, sampled: bool = False) -> Proposer:
+    """The engine's proposer for greedy (or `sampled`) requests, chosen once from its Decoding
+    (engine.decoding): DominoTree's build (engine.draft_path) unless a sampled `domino` drafts the
+    head's chain, the head's chain, the lookup alone, or plain steps."""
     d = decoding
     shared = dict(num_draft=d.k_max, lookup_k_max=d.lookup.k_max, window=d.window, auto=d.auto, fork=d.lookup.fork,
                   device=device)
-    if d.tree:
+    if d.tree and not (sampled and d.sampled_chain):
         return BestFirstTrees(grower, d.nodes, **shared)
     if d.drafting:
         return DraftChains(head, d.cut, **shared)

@@ -68,7 +68,9 @@ class SpecEngine:
         self.block_size, self.num_draft, self.nodes, self.auto = d.block_size, d.k_max, d.nodes, d.auto
         self.draft_dtype, self.lookup_k_max = d.draft_dtype, d.lookup.k_max
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
-        self.proposer = proposer_for(d, self.head, self.grower, self.device)
+        self.proposer = proposer_for(d, self.head, self.grower, self.device)  # greedy requests'
+        self.sampled_proposer = (proposer_for(d, self.head, self.grower, self.device, sampled=True)
+                                 if d.sampled_chain else self.proposer)
         self.runners = EngineRunners(target, d, self.path)
 
     @property
@@ -83,7 +85,7 @@ class SpecEngine:
 
     @cost.setter
     def cost(self, cost: Optional[RoundCost]) -> None:
-        self.proposer.cost = cost
+        self.proposer.cost = self.sampled_proposer.cost = cost
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -111,7 +113,8 @@ class SpecEngine:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if self.auto and self.cost is None:
             self.calibrate(prompt.tolist())
-        self.proposer.fresh()  # auto-K learns afresh: K depends on this generation's rounds alone
+        proposer = self.proposer if sampling.greedy else self.sampled_proposer
+        proposer.fresh()  # auto-K learns afresh: K depends on this generation's rounds alone
         budget = min(max_new_tokens, self.max_positions - T)
         generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -157,7 +160,7 @@ class SpecEngine:
                 break
             start = T + len(tokens) - 1  # position of x_start = tokens[-1]
             assert state.kv.length == start, "target KV out of step"
-            new, reason = play_round(self.proposer, state, tokens, start, request, stats)
+            new, reason = play_round(proposer, state, tokens, start, request, stats)
 
         # Invariant after generation: both caches hold the committed prefix minus the last token.
         state.kv.crop(T + len(tokens) - 1)
