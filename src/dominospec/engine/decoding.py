@@ -1,8 +1,7 @@
 """Resolve once: (mode, num_draft, engine params, target, draft) -> `Decoding`, what one engine decodes by.
 
-Every later part of the engine (the draft path, the head, the tree, the proposer, the runners, the
-round) reads the frozen `Decoding`, never the mode string nor `EngineParams`: the mode is decoded
-here, once, into what it means.
+Every later part of the engine reads the frozen `Decoding`, never the mode string nor `EngineParams`
+(tests/test_layout.py checks it): the mode is decoded here, once, into what it means.
 
     mode        draft   head   shape
     ar          -       -      -          a plain target step a round
@@ -13,10 +12,8 @@ here, once, into what it means.
     dominotree  yes     on     best_first, whatever engine.tree.shape says, greedy and sampled
 
 `domino` samples its chain (`sampled_chain`): sampled, the tree buys no τ (docs/design.md, "DominoTree").
-
-`name` keeps the resolved mode (`domino` on best_first reads `dominotree`) as a label for the stats
-and reports; nothing branches on it. Every check of the params and the draft against the target
-happens here, so a bad value stops before anything is built.
+`name` is the resolved mode (`domino` on best_first reads `dominotree`), a label nothing branches on.
+Every check of the params and the draft happens here, before anything is built.
 """
 
 from __future__ import annotations
@@ -55,12 +52,13 @@ class Decoding:
     """One engine's decoding, resolved (module docstring).
 
     drafting: a draft model proposes; head: the Domino head corrects it; tree: DominoTree's best-first
-    tree of `nodes` nodes, each offering `children` (else a chain); block_size B (ngram: its lookup
-    + 1; ar: 1); k_max: the drafts a round verifies at most, auto: chosen every round; cut: the
-    chain's confidence cut (0: off); sampled_chain: a tree's sampled rounds draft the head's chain instead; pool: the candidate pool M (0: full vocabulary); window: auto-K's
-    acceptance window; kernels: the head's Triton kernels (else torch ops); draft_dtype; packed: the
-    draft path's linears packed for oneDNN; static: static caches of `capacity` rows, graphs: CUDA
-    graphs replayed on them; lean: the target (and draft backbone) on the lean decoder."""
+    tree of `nodes` nodes, each offering `children` (else a chain); sampled_chain: the tree's sampled
+    rounds draft the head's chain instead; block_size B (ngram: its lookup + 1; ar: 1); k_max: the
+    drafts a round verifies at most, auto: chosen every round; cut: the chain's confidence cut (0: off);
+    pool: the candidate pool M (0: full vocabulary); window: auto-K's acceptance window; kernels: the
+    head's Triton kernels (else torch ops); draft_dtype; packed: the draft path's linears packed for
+    oneDNN; static: static caches of `capacity` rows, graphs: CUDA graphs replayed on them; lean: the
+    target (and draft backbone) on the lean decoder."""
 
     name: str
     drafting: bool
