@@ -155,13 +155,13 @@ class DraftHead:
 
 
 def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Optional[DraftGraphs]) -> DraftHead:
-    """The engine's DraftHead (engine.decoding): a corrected chain on the Triton kernels where the resolve
-    step chose them, their greedy rollouts on the holder `graphs` (static caches: replayed when it is
-    enabled, eager otherwise); with graphs replayed, a sampled corrected chain replays one graph too."""
+    """The engine's DraftHead (engine.decoding): chains on the Triton kernels where the resolve step chose
+    them; on the holder `graphs` (static caches) the greedy rollouts of a chain engine and, replayed,
+    every sampled chain (a tree engine's greedy rounds grow the tree)."""
     d = decoding
     sampled = SampledChains(graphs) if d.head_chain and graphs is not None and graphs.enabled else None
     kernels = prepare_head_kernels(draft, embed_tokens) if d.head_chain_kernels else None
-    rollouts = RolloutGraphs(kernels, d.pool, graphs) if kernels is not None and graphs is not None else None
+    rollouts = RolloutGraphs(kernels, d.pool, graphs) if kernels is not None and graphs and not d.tree else None
     return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, rollouts, sampled)
 
 
