@@ -239,12 +239,13 @@ SAMPLED_FORK = engine_params(tree=dict(nodes=6, children=3), ngram_assist=True, 
 
 
 def test_sampled_dominotree_with_the_fork_matches_target_distribution(sampled_setup):
-    """The default's options sampled: DominoTree with the fork on (a fork is greedy-only, so a lookup
-    hit is verified instead of the tree): both kinds of round come, and the tokens follow the target."""
+    """DominoTree sampled with the default's options (mode dominotree: the default `domino` samples its chain), the fork
+    on (greedy-only, so a lookup hit is verified instead of the tree): both kinds of round come, and the tokens
+    follow the target."""
     target, draft = sampled_setup
     sampling = Sampling(temperature=1.0)
     x2_exact, pair_exact = marginals(exact_joint(target, sampling))
-    engine = SpecEngine(target, draft, "domino", None, SAMPLED_FORK.with_tree(shape="best_first"))
+    engine = SpecEngine(target, draft, "dominotree", None, SAMPLED_FORK)
     assert engine.mode == "dominotree" and engine.proposer.fork
     seen: list = []
     x2, pairs, accepted = sample_x2_x3(engine, sampling, SAMPLES, seen)

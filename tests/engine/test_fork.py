@@ -25,8 +25,7 @@ from engine_helpers import engine_params, repetitive_prompts, stats_equal_to_ar,
 
 from dominospec.engine import SpecEngine
 from dominospec.engine.accept import accept_greedy
-from dominospec.engine.proposal import chains
-from dominospec.engine.verdict import Verdict
+from dominospec.engine.proposal import Verdict, chains
 from dominospec.engine.policy import RoundCost, choose_fork, choose_k
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV

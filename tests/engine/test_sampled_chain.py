@@ -16,6 +16,7 @@ from engine_helpers import tiny_draft, tiny_target
 from scipy.stats import chisquare
 
 from dominospec.engine.draft_head import DraftHead, SampledChains, _Draws
+from dominospec.engine.graphs import DraftGraphs
 from dominospec.engine.sampling import Sampling
 
 V = 96
@@ -83,7 +84,7 @@ def test_the_graph_buffers_draw_what_the_written_out_race_draws(pool_size):
     sampling = Sampling(temperature=0.8, top_p=0.9)
     plain = DraftHead(draft, target.embed_tokens, True, pool_size)
     buffered = DraftHead(draft, target.embed_tokens, True, pool_size,
-                         sampled=SampledChains(B, H, V, torch.float64, torch.device("cpu"), enabled=False))
+                         sampled=SampledChains(DraftGraphs(B, H, V, torch.float64, torch.device("cpu"), enabled=False)))
     differs = 0
     with torch.inference_mode():
         for K in range(1, B):

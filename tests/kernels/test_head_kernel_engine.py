@@ -19,7 +19,7 @@ from engine_helpers import engine_params, fit_draft, random_prompts, tiny_draft,
 
 from dominospec.config import load_params  # noqa: E402
 from dominospec.engine import SpecEngine  # noqa: E402
-from dominospec.engine.configure import head_kernel  # noqa: E402
+from dominospec.engine.decoding import head_kernels  # noqa: E402
 from dominospec.engine.head_kernels import prepare_head_kernels  # noqa: E402
 from dominospec.engine.draft_head import DraftHead  # noqa: E402
 from dominospec.engine.sampling import Sampling  # noqa: E402
@@ -131,11 +131,11 @@ def test_switch_needs_cuda_or_the_interpreter(monkeypatch):
     cfg = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine
     assert cfg.head_kernel == "auto"
     triton_cfg = dataclasses.replace(cfg, head_kernel="triton")
-    assert head_kernel(triton_cfg.head_kernel) == "triton"  # interpreter (or CUDA) here
+    assert head_kernels(triton_cfg.head_kernel, torch.device("cpu"))  # interpreter (or CUDA) here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="engine.head_kernel"):
-        head_kernel(triton_cfg.head_kernel)
+        head_kernels(triton_cfg.head_kernel, torch.device("cpu"))
 
 
 @cpu_engine
@@ -145,7 +145,8 @@ def test_auto_runs_the_torch_ops_on_a_cpu_draft(setup):
     target, draft, _ = setup
     engine = SpecEngine(target, draft, "domino", params=engine_params(head_kernel="auto"))
     assert engine.head.kernels is None
-    assert head_kernel(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine.head_kernel) == "auto"
+    assert not head_kernels(load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine.head_kernel,
+                            torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

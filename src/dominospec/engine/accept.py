@@ -1,9 +1,8 @@
 """Acceptance: which of a verified proposal's rows the target keeps, and its own next token.
 
-Every round verifies one proposal (engine.proposal): row 0 is x_start, every other row r holds a
-proposed token tokens[r] under a parent row parents[r] < r. A chain is the tree whose row r has
-parent r - 1; a fork is two chains under row 0; DominoTree is any tree. Row r's logits are the
-target's next-token distribution after the path root .. r.
+A verify's rows (engine.proposal): row 0 is x_start, row r a proposed token tokens[r] under a parent
+row parents[r] < r (a chain: r - 1; a fork: two chains under row 0; DominoTree: any tree). Row r's
+logits are the target's next-token distribution after the path root .. r.
 
 - greedy (`GreedyWalk`, `accept_greedy`): from row 0, descend into the child whose token is the
   target's argmax as long as there is one. With two such children (a lookup beside a draft branch
@@ -20,8 +19,7 @@ target's next-token distribution after the path root .. r.
     top-k). p_i(c_i) = p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})), read once from the host;
   - a draw from the draft's q (a sampled chain, the only child of its parent): the classic test
     u < p(c) / q(c), residual max(0, p - q).
-  The chi-square tests in tests/engine (test_lossless_sampling, test_domino_tree) check both; a
-  residual left as p fails them.
+  Chi-square tests check both (tests/engine: test_lossless_sampling, test_domino_tree).
 """
 
 from __future__ import annotations

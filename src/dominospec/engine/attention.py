@@ -1,26 +1,12 @@
 """The target's attention on CPU: grouped-query heads read their shared keys and values in place.
 
-transformers' `sdpa` copies the keys and values of every layer to all query heads (`repeat_kv`)
-whenever a forward of more than one row comes with a mask: every verify, tree or chain, on a
-cached context. SmolLM2 has 9 query heads on 3 key/value heads, so each verify copied every
-layer's cached keys and values three times over. On the 2-core EPYC, in a verify on a long
-context, the copies cost most of what the attention itself did; the numbers are in
-docs/journal/2026-12-02-attention-without-repeated-keys-the-verify-on-the-cpu.md.
-
-`grouped_sdpa` hands torch's SDPA the key/value heads as they are (`enable_gqa=True`), with the
-same mask: the CPU kernel then maps each query head to its key/value head itself. For a forward
-of several rows its output equals the repeated path's to the bit on this CPU
-(tests/engine/test_attention.py checks it against `repeat_kv` + SDPA); a one-row step moves by
-float rounding against transformers' own one-row path. The AR baseline and the verify forward
-both run it. Off CPU, and for what it does not cover (no mask over a longer cache, position
-biases, one query head per key/value head), it hands over to transformers' own `sdpa`.
-
-The grouped-head math lives here once: `gqa_sdpa` (many rows) and `gqa_one_query` (one row, a
-batched matmul per key/value head), which regenerate's slot-batched decoder (regenerate.kv_batch)
-uses too.
-
-`use_grouped_sdpa(model)` selects it for a model whose attention is `sdpa` (prepare_target does,
-for the one target every mode uses) -> whether it did.
+transformers' `sdpa` copies every layer's keys and values to all query heads (`repeat_kv`) for a
+masked forward of several rows: every verify. `grouped_sdpa` hands torch's SDPA the key/value heads
+as they are (`enable_gqa=True`), the same mask; equal to the repeated path to the bit for several rows
+(tests/engine/test_attention.py), within float rounding for one (numbers:
+docs/journal/2026-12-02-attention-without-repeated-keys-the-verify-on-the-cpu.md). Off CPU, and for
+what it does not cover, it hands over to transformers' `sdpa`. `gqa_sdpa` and `gqa_one_query` hold the
+grouped-head math once (regenerate.kv_batch uses them too). `use_grouped_sdpa(model)` selects it.
 """
 
 from __future__ import annotations

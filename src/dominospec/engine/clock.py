@@ -1,15 +1,10 @@
 """Phase times of a generation's rounds, without stalling the GPU to read them.
 
-A round is draft forward -> head rollout -> verify. Timing each phase with a wall clock needs a
-`torch.cuda.synchronize` at every boundary, so the host cannot queue the next phase's launches
-(a graph replay, a kernel) while the GPU runs the current one: on an H200 with SmolLM2 that stall
-was about a tenth of a round (benchmarks/studies/round_profile_gpu.py; the numbers are in
-docs/journal/2026-12-04-a-round-without-stalls-the-fused-pool-selection-and-the-cpu.md). On CUDA
-a mark is an event recorded on the current stream; the gaps between marks are device time, read
-once, after the generation's last round has synchronised. On CPU a mark is `time.perf_counter()`,
-and so it is on CUDA for rounds that draft nothing (a plain step waits for its one forward
-anyway, and recording events there cost about what the synchronizes did, on the H200's sandboxed
-host; same entry).
+Timing each phase with a wall clock needs a synchronize at every boundary, so the host could not queue
+the next phase while the GPU runs this one (about a tenth of a round on an H200 with SmolLM2:
+docs/journal/2026-12-04-a-round-without-stalls-the-fused-pool-selection-and-the-cpu.md). On CUDA a
+mark is an event on the current stream, read once after the generation's last round; on CPU, and for
+rounds that draft nothing (a plain step waits for its one forward anyway), `time.perf_counter()`.
 """
 
 from __future__ import annotations
@@ -24,12 +19,9 @@ Mark = Union[float, "torch.cuda.Event"]
 
 
 class PhaseClock:
-    """`mark()` a boundary, `add(name, a, b)` the span from mark a to mark b; `seconds()` -> totals
-    per name (on CUDA it synchronises once, then reads every span).
-
-    CUDA events come from `pool` and go back to it once read: creating one is a driver call that
-    costs more than recording one, and a drafting round marks four. A pool may be shared by the
-    clocks of one engine (list append/pop are atomic)."""
+    """`mark()` a boundary, `add(name, a, b)` the span from mark a to mark b; `seconds()` -> totals per name
+    (on CUDA one synchronise, then every span). CUDA events come from `pool`, shared by one engine's
+    clocks, and go back once read: creating one costs more than recording one."""
 
     def __init__(self, device: torch.device, pool: Optional[list] = None):
         self.cuda = device.type == "cuda"
@@ -39,9 +31,8 @@ class PhaseClock:
         self.totals: dict[str, float] = {}
 
     def mark(self, device: bool = True) -> Mark:
-        """A boundary: a CUDA event where the clock is on CUDA and `device`, else the host clock. A
-        span joins two marks of the same kind. Host marks suit a round that queues nothing the host
-        does not wait for (a plain step: its acceptance synchronises), and cost no event record."""
+        """A boundary: a CUDA event where the clock is on CUDA and `device`, else the host clock (a span
+        joins two marks of one kind)."""
         if self.cuda and device:
             try:
                 event = self.pool.pop()
@@ -90,9 +81,8 @@ class RoundTimer:
                 with timer.waiting(): ...      # ... wait (the acceptance's read) ...
                 ...                            # ... commit, to the end of the round
 
-    Consecutive phases share their boundary mark (one CUDA event each on a drafting round). On
-    exit the spans go to the clock, and `draft_round` (begin to the end of the last phase) when
-    `drafted` is set: the round verified at least one proposal."""
+    Consecutive phases share their boundary mark. On exit the spans go to the clock, and `draft_round`
+    (begin to the end of the last phase) when `drafted`: the round verified a proposal."""
 
     def __init__(self, clock: "PhaseClock", stats: Any):
         self.clock, self.stats = clock, stats
@@ -103,8 +93,7 @@ class RoundTimer:
         self.drafted = False
 
     def begin(self, device: bool) -> None:
-        """The plan is made. `device`: the round queues GPU work the host does not wait for, so its
-        phases are timed by CUDA events (host clock otherwise)."""
+        """The plan is made; `device`: the phases are timed by CUDA events (the host clock otherwise)."""
         self.host.append(time.perf_counter())
         self.device = device
         self.first = self.last = self.clock.mark(device)

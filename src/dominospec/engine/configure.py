@@ -1,8 +1,7 @@
-"""params -> what the engine resolves from its params here (the head's kernels), sampling, and the target prepared once for every engine built on it."""
+"""params -> sampling, and the target prepared once for every engine built on it."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
@@ -16,33 +15,13 @@ from dominospec.errors import UserError
 from dominospec.target import Target
 
 
-def head_kernel(choice: str) -> str:
-    """engine.head_kernel -> the same choice, once Triton can run it here (CUDA, or TRITON_INTERPRET=1 on CPU)."""
-    if choice != "triton":
-        return choice
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise UserError("engine.head_kernel: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
-                        "slowly on CPU); set engine.head_kernel: torch on this machine")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise UserError("engine.head_kernel: triton, but the triton package is not installed") from None
-    return choice
-
-
 def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[], float]] = None) -> str:
-    """Give the target's linears the kernels `engine.linear` asks for, in place, before any engine
-    is built (so the AR baseline and the verify forward run the same ones) -> the choice made,
-    "packed" or "torch", the `engine.linear` the engines take (`dataclasses.replace(cfg, linear=...)`).
-
-    `auto` times a one-row forward of the target both ways (fastest of a few, `timer()` returning
-    its seconds; default: `one_row_seconds`) and keeps the faster, packed on a tie. Which one wins
-    depends on the CPU: packed ran the AR step faster than torch's own on a 2-core AMD EPYC and
-    slower on a 2-core Intel Xeon with AMX (the numbers, under "`engine.linear: auto`", are in
-    docs/journal/2026-12-01-the-cpu-default-end-to-end-make-repro-from-a-fresh-clone.md).
-
-    On CPU the target also attends with `grouped_sdpa` (engine.attention): a forward of several
-    rows reads the shared keys and values in place instead of copying them per query head."""
+    """Give the target's linears the kernels `engine.linear` asks for, in place, before any engine is
+    built (the AR baseline and the verify then run the same ones) -> the choice, "packed" or "torch",
+    which the engines take (`dataclasses.replace(cfg, linear=...)`). `auto` times a one-row forward both
+    ways (`timer()`, default `one_row_seconds`) and keeps the faster, packed on a tie: which wins depends
+    on the CPU (docs/journal/2026-12-01-the-cpu-default-end-to-end-make-repro-from-a-fresh-clone.md).
+    On CPU the target also attends with `grouped_sdpa` (engine.attention)."""
     if target.device.type == "cpu":
         use_grouped_sdpa(target.model)
     unpack_linears(target.model)  # from torch's kernels, whatever an earlier call chose (idempotent)
@@ -66,8 +45,7 @@ AUTO_TIE = 1.02  # auto keeps the packed kernels unless torch's are faster by mo
 
 
 def one_row_seconds(target: Target, repeats: int = 5) -> float:
-    """The fastest of `repeats` one-row forwards of the target (no cache; after one warm-up): the
-    AR step's cost in the linear layers, which is what the kernels change."""
+    """The fastest of `repeats` one-row forwards of the target (no cache; after one warm-up)."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=target.device)
     best = float("inf")
     with torch.inference_mode():

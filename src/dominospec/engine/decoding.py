@@ -1,31 +1,30 @@
 """Resolve once: (mode, num_draft, engine params, target, draft) -> `Decoding`, what one engine decodes by.
 
-Every later part of the engine (the draft path, the head, the tree, the proposer, the runners, the
-round) reads the frozen `Decoding`, never the mode string nor `EngineParams`: the mode is decoded
-here, once, into what it means.
+Every later part of the engine reads the frozen `Decoding`, never the mode string nor `EngineParams`
+(tests/test_layout.py checks it): the mode is decoded here, once, into what it means.
 
     mode        draft   head   shape
     ar          -       -      -          a plain target step a round
     ngram       -       -      chain      the prompt lookup is the draft
     dflash      yes     off    chain      the draft's base logits (head off)
-    domino      yes     on     engine.tree.shape (best_first: DominoTree; chain: the head's chain)
-    dominotree  yes     on     best_first, whatever engine.tree.shape says
+    domino      yes     on     engine.tree.shape (best_first: DominoTree greedy, the head's chain sampled;
+                               chain: the head's chain)
+    dominotree  yes     on     best_first, whatever engine.tree.shape says, greedy and sampled
 
-`name` keeps the resolved mode (`domino` on best_first reads `dominotree`) as a label for the stats
-and reports; nothing branches on it. Every check of the params and the draft against the target
-happens here, so a bad value stops before anything is built.
+`domino` samples its chain (`sampled_chain`): sampled, the tree buys no τ (docs/design.md, "DominoTree").
+`name` is the resolved mode (`domino` on best_first reads `dominotree`), a label nothing branches on.
+Every check of the params and the draft happens here, before anything is built.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from dominospec.config import EngineParams
-from dominospec.engine.configure import head_kernel
-from dominospec.engine.head_kernels import triton_usable
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
@@ -54,17 +53,19 @@ class Decoding:
     """One engine's decoding, resolved (module docstring).
 
     drafting: a draft model proposes; head: the Domino head corrects it; tree: DominoTree's best-first
-    tree of `nodes` nodes, each offering `children` (else a chain); block_size B (ngram: its lookup
-    + 1; ar: 1); k_max: the drafts a round verifies at most, auto: chosen every round; cut: the
-    chain's confidence cut (0: off); pool: the candidate pool M (0: full vocabulary); window: auto-K's
-    acceptance window; kernels: the head's Triton kernels (else torch ops); draft_dtype; packed: the
-    draft path's linears packed for oneDNN; static: static caches of `capacity` rows, graphs: CUDA
-    graphs replayed on them; lean: the target (and draft backbone) on the lean decoder."""
+    tree of `nodes` nodes, each offering `children` (else a chain); sampled_chain: the tree's sampled
+    rounds draft the head's chain instead; block_size B (ngram: its lookup + 1; ar: 1); k_max: the
+    drafts a round verifies at most, auto: chosen every round; cut: the chain's confidence cut (0: off);
+    pool: the candidate pool M (0: full vocabulary); window: auto-K's acceptance window; kernels: the
+    head's Triton kernels (else torch ops); draft_dtype; packed: the draft path's linears packed for
+    oneDNN; static: static caches of `capacity` rows, graphs: CUDA graphs replayed on them; lean: the
+    target (and draft backbone) on the lean decoder."""
 
     name: str
     drafting: bool
     head: bool
     tree: bool
+    sampled_chain: bool
     nodes: int
     children: int
     block_size: int
@@ -94,9 +95,14 @@ class Decoding:
         return max(self.block_size, self.max_verify) + 1
 
     @property
+    def head_chain(self) -> bool:
+        """The Domino head drafts chains: no tree, or a tree's sampled rounds."""
+        return self.head and (not self.tree or self.sampled_chain)
+
+    @property
     def head_chain_kernels(self) -> bool:
-        """The head's chain on the Triton kernels: a corrected chain (not a tree) with the kernels chosen."""
-        return self.kernels and self.head and not self.tree
+        """The head's chains on the Triton kernels."""
+        return self.kernels and self.head_chain
 
 
 def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_draft: Union[int, str, None],
@@ -128,6 +134,7 @@ def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_dr
     lookup = Lookup(lookup_k, params.ngram_min, params.ngram_max,
                     fork=params.ngram_fork and lookup_k > 0 and mode != "ngram")
     decoding = Decoding(name="dominotree" if tree else mode, drafting=drafting, head=head, tree=tree,
+                        sampled_chain=tree and mode == "domino",
                         nodes=params.tree.nodes if tree else 0, children=params.tree.children, block_size=block_size,
                         k_max=k_max, auto=auto, lookup=lookup, cut=params.confidence_cut, pool=params.candidate_pool,
                         window=params.acceptance_window, kernels=kernels, draft_dtype=dtype,
@@ -169,10 +176,21 @@ def check_draft(draft: Optional[DFlashDraftModel], target: Target, mode: str, he
 
 
 def head_kernels(choice: str, device: torch.device) -> bool:
-    """engine.head_kernel -> whether the head runs on the Triton kernels: `triton` (checked: it runs
-    here), or `auto` on a CUDA draft with triton installed."""
-    choice = head_kernel(choice)
-    return choice == "triton" or (choice == "auto" and triton_usable(device))
+    """engine.head_kernel -> whether the head runs on the Triton kernels: `triton` (checked: CUDA, or
+    TRITON_INTERPRET=1 on CPU, and triton installed), `auto` on a CUDA draft with triton installed
+    (never on CPU, where the kernels only run interpreted, for tests), `torch` never."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return False
+    if choice == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise UserError("engine.head_kernel: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
+                        "slowly on CPU); set engine.head_kernel: torch on this machine")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if choice == "triton":
+            raise UserError("engine.head_kernel: triton, but the triton package is not installed") from None
+        return False
+    return True
 
 
 def check_tree(params: EngineParams) -> None:

@@ -1,17 +1,12 @@
-"""The draft's side of a round: append committed target features to its context, run the block.
+"""The draft's side of a round (the `DraftRunner` Protocol, engine.runner_types): block(features [1, S, n*H]
+or None, x_start [1], start, K) -> (z [K, H], u [K, V]) appends the S new context rows (positions
+start-S..start-1), then runs [x_start, MASK x (B-1)] at start..start+B-1 (slot j drafts d_{j+1}), all in
+the draft path's dtype.
 
-Two interchangeable runners, both
-`block(features [1, S, n*H] or None, x_start [1], start, K) -> (z [K, H], base logits u [K, V])`,
-which first appends the S new context rows (positions start-S..start-1) and then runs the block
-[x_start, MASK x (B-1)] at positions start..start+B-1 (slot j drafts d_{j+1}; K <= B); `extend(features)` appends only,
-`crop(n)` keeps context rows 0..n-1, `reset()` empties it. Everything is in the draft path's dtype.
-
-- `DynamicDraftBlock`: the model's own `DraftContextCache` (concatenated per round), eager.
-- `StaticDraftBlock`: per-layer K/V buffers [1, kvh, capacity, D] written in place, the block
-  attending through an explicit mask [1, 1, B, capacity + B] (context columns < start, and the
-  whole block). "Append S rows + block" is one fixed shape per S, so S = 0..B run as CUDA graphs
-  (engine.graphs); more rows at once (the prompt, or features pooled over prompt-lookup rounds)
-  are appended eagerly first.
+- `DynamicDraftBlock`: the model's own `DraftContextCache`, eager.
+- `StaticDraftBlock`: per-layer K/V buffers [1, kvh, capacity, D] written in place, the block attending
+  through an explicit mask [1, 1, B, capacity + B]. "Append S rows + block" is one shape per S, so
+  S = 0..B replay CUDA graphs (`GraphedBlock`); more rows at once are appended eagerly first.
 """
 
 from __future__ import annotations
@@ -57,12 +52,27 @@ class DynamicDraftBlock:
 
 
 class GraphedBlock(FixedRows):
-    """A draft runner whose "append S rows + block" is one graph per S <= B (engine.graphs): the
-    subclass builds `graphs` over its buffers `start` (0-d), `x_start` [1] and `features[S]`
-    [1, S, n*H], and `extend` for the rows that come more than B at a time."""
+    """A draft runner whose "append S rows + block" is one graph per S <= B (engine.graphs) over the
+    buffers `start` (0-d), `x_start` [1] and `features[S]` [1, S, n*H]; the subclass gives the graph's
+    function (`_step(S)`) and `extend` for the rows that come more than B at a time."""
 
     what = "draft context"
-    B: int
+
+    def __init__(self, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int, feature_dim: int,
+                 graphs: bool):
+        super().__init__(capacity)
+        self.lm_head, self.embed_tokens = lm_head, embed_tokens
+        self.mask_embeds = mask_embeds  # [B-1, H], the draft path's dtype
+        self.B = mask_embeds.shape[0] + 1
+        device, dtype = mask_embeds.device, mask_embeds.dtype
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # the block's first position
+        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
+        self.features = {S: torch.zeros(1, S, feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
+        self.graphs = ShapeGraphs(self._step, enabled=graphs)
+
+    def embeds(self) -> torch.Tensor:
+        """The block's embeddings [B, H]: x_start's, then the MASK slots'."""
+        return torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])
 
     def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
         S = 0 if features is None else features.shape[1]
@@ -86,20 +96,13 @@ class StaticDraftBlock(GraphedBlock):
 
     def __init__(self, draft: DFlashDraftModel, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor,
                  capacity: int, graphs: bool):
-        super().__init__(capacity)
-        self.draft, self.lm_head, self.embed_tokens = draft, lm_head, embed_tokens
-        self.mask_embeds = mask_embeds  # [B-1, H]
+        self.draft = draft
         config = draft.config
-        self.B, self.feature_dim = int(config.block_size), draft.fc.weight.shape[1]
-        device, dtype = mask_embeds.device, mask_embeds.dtype
         shape = (1, int(config.num_key_value_heads), capacity, int(config.head_dim))
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
-        self.columns = torch.arange(capacity, device=device)  # [L]
-        self.start = torch.zeros((), dtype=torch.long, device=device)  # the block's first position
-        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
-        self.features = {S: torch.zeros(1, S, self.feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
-        self.graphs = ShapeGraphs(self._step, enabled=graphs)
+        self.keys = [mask_embeds.new_zeros(shape) for _ in draft.layers]
+        self.values = [mask_embeds.new_zeros(shape) for _ in draft.layers]
+        self.columns = torch.arange(capacity, device=mask_embeds.device)  # [L]
+        super().__init__(lm_head, embed_tokens, mask_embeds, capacity, draft.fc.weight.shape[1], graphs)
 
     def extend(self, features: torch.Tensor) -> None:
         """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
@@ -131,7 +134,7 @@ class StaticDraftBlock(GraphedBlock):
 
     def _block(self) -> Output:
         """[x_start, MASK x (B-1)] at positions start.. -> z [B, H], u [B, V] (tensor ops only)."""
-        block = torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])[None]
+        block = self.embeds()[None]  # [1, B, H]
         positions = self.start + torch.arange(self.B, device=self.start.device)  # [B]
         context = (self.columns < self.start)[None].expand(self.B, -1)  # [B, L]
         own = torch.ones(self.B, self.B, dtype=torch.bool, device=context.device)

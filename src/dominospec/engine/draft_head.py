@@ -1,29 +1,17 @@
-"""The draft's proposal for one block, decided in one place: the model's rollout, the Triton kernels, or their CUDA graphs.
+"""The draft's proposal for one block: z [K, H] (final normed draft states; slot j predicts x[start+1+j]),
+the base logits u = lm_head(z) [K, V] (the draft path's dtype) and x_start [1] -> a chain of K tokens.
 
-Input: z [K, H] (final normed draft states of slots 0..K-1; slot j predicts x[start+1+j]) and the
-base logits u = lm_head(z) [K, V], both in the draft path's dtype, and x_start [1].
+- head off (`dflash`): d_j is drawn from u_j, each row alone.
+- head on: slot j >= P (pure_draft_prefix_len) draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]), s_j the
+  GRU state after [x_start, d_1..d_j]. The model's `rollout` is the one torch reference; the Triton
+  kernel `kernels.head_rollout` is its fast path, tested against it; `RolloutGraphs` (greedy) and
+  `SampledChains` replay them as CUDA graphs on the engine's one holder (engine.graphs.DraftGraphs).
+- candidate pool M (0 < M < V): the corrected steps score only cand = topk(max_{j >= P} u_j, M) and a
+  token outside it gets q = 0; M = 0 is the exact full vocabulary.
 
-- head off (`dflash`): d_j is drawn from u_j independently.
-- head on (`domino`): slot j >= P (pure_draft_prefix_len) draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]),
-  s_j the GRU state after [x_start, d_1..d_j]: the model's `rollout`, which is the one torch
-  reference. The Triton kernel `kernels.head_rollout` is its fast path and is tested against it;
-  `RolloutGraphs` replays it as CUDA graphs.
-- candidate pool (head on, pool_size M > 0; SGLang's `--speculative-domino-candidate-pool-size`):
-  the corrected steps score only the M tokens with the highest base logit over those steps,
-  `cand = topk(max_{j >= P} u_j, M)`, so a step reads M rows of W2 instead of V. Tokens outside
-  the pool get probability 0. M = 0 (or M >= V) is the exact full vocabulary.
-
-Only verification must be exact: a pool, like a bf16 draft, only changes which tokens are
-proposed. When sampling, q_j (returned dense, [K, V]) is exactly the distribution d_j was drawn
-from, which is what lossless speculative sampling needs. `confidence[j]` is q_j(d_j) (greedy:
-the softmax of the scored logits at the argmax), the draft's own belief in d_j.
-
-Which path runs (`draft_head`, from params `engine.head_kernel` and the caches): greedy chains of
-`domino` on the kernels when they are prepared (graphs on static caches); sampled chains drawn
-from uniforms drawn before the rollout (`_Draws`: the exponential race), on the kernels too where
-they are prepared and the draw is by temperature alone (top-k / top-p: torch ops), so that on
-static caches with CUDA graphs the whole sampled rollout replays as one graph (`SampledChains`);
-the CPU on torch ops. DominoTree's tree is grown elsewhere (engine.domino_tree).
+Only the verify must be exact: a pool, like a bf16 draft, changes only which tokens are proposed.
+Sampled, q_j [K, V] is exactly the distribution d_j was drawn from (lossless rejection needs it);
+confidence[j] = q_j(d_j), the draft's belief in d_j. Which ops run is chosen once (`HeadOps`).
 """
 
 from __future__ import annotations
@@ -33,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dominospec.engine.head_kernels import RolloutGraphs, prepare_head_kernels
+from dominospec.engine.head_kernels import prepare_head_kernels
 from dominospec.engine.sampling import Sampling
+from dominospec.errors import UserError
 
 if TYPE_CHECKING:
     from dominospec.engine.decoding import Decoding
@@ -73,7 +62,7 @@ def pooled_head(draft: Any, base_logits: torch.Tensor, cand: Optional[torch.Tens
 
 @dataclass(frozen=True)
 class HeadOps:
-    """How one head drafts a chain, chosen once when the head is made (as models.lean's DecoderOps are):
+    """How one head drafts a chain, chosen once (as models.lean's DecoderOps are):
     greedy(z [K, H], u [K, V], x_start [1], want) -> DraftChain (`want`: the beliefs q_j(d_j) too);
     sampled(z, u, x_start, sampling, generator) -> DraftChain with q [K, V]; name: which ops."""
 
@@ -83,13 +72,12 @@ class HeadOps:
 
 
 class DraftHead:
-    """One engine's way of drafting a block (module docstring). `corrects`: the Domino head runs
-    (domino, dominotree); `kernels`: the head prepared for the Triton kernels or None;
-    `graphs`: their greedy rollouts on static buffers or None; `sampled`: the sampled chain's graphs
-    or None. Which ops run is chosen once, here (`ops`)."""
+    """One engine's way of drafting a block (module docstring). `corrects`: the Domino head runs;
+    `kernels`: the head prepared for the Triton kernels or None; `graphs`: their greedy rollouts on the
+    holder (`RolloutGraphs`) or None; `sampled`: the sampled chain's graphs or None."""
 
     def __init__(self, draft: Any, embed_tokens: Any, corrects: bool, pool_size: int, kernels: Any = None,
-                 graphs: Optional[RolloutGraphs] = None, sampled: Optional["SampledChains"] = None):
+                 graphs: Optional[RolloutGraphs] = None, sampled: Optional[SampledChains] = None):
         self.draft, self.embed_tokens, self.corrects, self.pool_size = draft, embed_tokens, corrects, pool_size
         self.kernels, self.graphs, self.sampled = kernels, graphs, sampled
         self.P = int(draft.config.pure_draft_prefix_len)
@@ -98,15 +86,15 @@ class DraftHead:
         self.ops = self.choose_ops()
 
     def choose_ops(self) -> HeadOps:
-        """The head's ops: independent rows (head off); a greedy chain as one graph, on the kernels or
-        on torch ops; a sampled chain as one graph, or drawn eagerly."""
-        if not self.corrects:  # independent draws: all K rows at once
+        """Independent rows (head off); a greedy chain as one graph, on the kernels or on torch ops; a
+        sampled chain as one graph, or drawn eagerly."""
+        if not self.corrects:
             return HeadOps(lambda z, u, x, want: _draw_rows(u, Sampling(), None, want),
                            lambda z, u, x, sampling, generator: _draw_rows(u, sampling, generator, True), "rows")
         sampled = self.sampled.chain if self.sampled is not None else self.noisy_chain
-        if self.graphs is not None:  # the whole rollout, pool selection included, as one graph
-            return HeadOps(self.graphed_chain, sampled, "graphs")
-        if self.kernels is not None:  # the whole rollout on device, the pool's selection fused
+        if self.graphs is not None:
+            return HeadOps(self.graphs.chain, sampled, "graphs")
+        if self.kernels is not None:
             return HeadOps(self.kernel_chain, sampled, "kernels")
         return HeadOps(self.torch_chain, sampled, "torch")
 
@@ -121,11 +109,6 @@ class DraftHead:
         if sampling.greedy:
             return self.ops.greedy(z, base_logits, x_start, confidence)
         return self.ops.sampled(z, base_logits, x_start, sampling, generator)
-
-    def graphed_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
-                      want: bool) -> DraftChain:
-        tokens, belief = self.graphs.chain(z, base_logits, x_start, want)
-        return DraftChain(tokens, None, belief)
 
     def kernel_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
                      want: bool) -> DraftChain:
@@ -152,11 +135,10 @@ class DraftHead:
 
     def drawn_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
                     noise: Optional[torch.Tensor]) -> DraftChain:
-        """The model's rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms
-        noise [K, V] (row j draws d_j). No host sync: a graph captures it (`SampledChains`). With the
-        kernels prepared, a temperature-only draw runs on them (`kernels.head_rollout`: the same race,
-        two launches a step; the pool then comes sorted from `kernels.pool_select`, so the same noise
-        may pick other tokens than the torch path, each drawn from its q exactly)."""
+        """The rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms noise [K, V]
+        (row j draws d_j). No host sync: a graph captures it (`SampledChains`). With the kernels
+        prepared, a temperature-only draw runs on them (the same race; the pool comes sorted from
+        `kernels.pool_select`, so the same noise may pick other tokens, each drawn from its q exactly)."""
         if self.kernels is not None and noise is not None and sampling.top_k == 0 and sampling.top_p >= 1.0:
             from dominospec.kernels.head_rollout import head_rollout
             from dominospec.kernels.pool_select import pool_select
@@ -173,42 +155,62 @@ class DraftHead:
 
 
 def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Optional[DraftGraphs]) -> DraftHead:
-    """The engine's DraftHead (engine.decoding): a corrected chain on the Triton kernels where the resolve
-    step chose them, their greedy rollouts as graphs on static caches (`graphs`, the engine's holder:
-    replayed when it is enabled, eager otherwise); with graphs replayed, a sampled corrected chain
-    replays one graph too (`SampledChains`). DominoTree grows its tree on its own (engine.domino_tree),
-    and the head off runs no head."""
+    """The engine's DraftHead (engine.decoding): chains on the Triton kernels where the resolve step chose
+    them; on the holder `graphs` (static caches) the greedy rollouts of a chain engine and, replayed,
+    every sampled chain (a tree engine's greedy rounds grow the tree)."""
     d = decoding
-    chain = d.head and not d.tree
-    sampled = None
-    if chain and graphs is not None and graphs.enabled:
-        B, H = graphs.inputs.z.shape
-        sampled = SampledChains(B, H, graphs.inputs.base.shape[1], d.draft_dtype, graphs.inputs.z.device, True,
-                                holder=graphs)
-    if not d.head_chain_kernels:
-        return DraftHead(draft, embed_tokens, d.head, d.pool, sampled=sampled)
-    kernels = prepare_head_kernels(draft, embed_tokens)
-    rollouts = None
-    if graphs is not None:
-        inputs = graphs.inputs
-        rollouts = RolloutGraphs(kernels, inputs.z.shape[0], inputs.z.shape[1], kernels.w2.shape[0], d.draft_dtype,
-                                 inputs.z.device, d.pool, graphs.enabled, holder=graphs)
+    sampled = SampledChains(graphs) if d.head_chain and graphs is not None and graphs.enabled else None
+    kernels = prepare_head_kernels(draft, embed_tokens) if d.head_chain_kernels else None
+    rollouts = RolloutGraphs(kernels, d.pool, graphs) if kernels is not None and graphs and not d.tree else None
     return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, rollouts, sampled)
 
 
+class RolloutGraphs:
+    """The greedy rollout on the kernels, pool selection included (`kernels.pool_select`, one workspace
+    for every K: replays run one after another on one stream), over the holder's static inputs: one
+    graph per (K, confidence wanted), so a chain is one replay instead of 2K + 2 launches (+ 4 for a
+    pool). The pool needs bf16, fp16 or fp32 logits.
+    chain(z [K, H], u [K, V], x_start [1], want) -> DraftChain, copies the caller keeps."""
+
+    def __init__(self, weights: Any, pool_size: int, holder: DraftGraphs):
+        self.weights, self.pool_size, self.inputs = weights, pool_size, holder.inputs
+        vocab, dtype = self.inputs.base.shape[1], self.inputs.base.dtype
+        self.pool = None  # the pool selection's buffers (kernels.pool_select.PoolWorkspace), when there is a pool
+        if 0 < pool_size < vocab:
+            from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
+
+            if dtype not in KEY_BITS:
+                raise UserError(f"engine.candidate_pool with engine.head_kernel: triton selects the pool over "
+                                f"bfloat16, float16 or float32 base logits, not {dtype} (set engine.draft_dtype)")
+            self.pool = pool_workspace(vocab, pool_size, dtype, self.inputs.base.device)
+        self.graphs = holder.graphs("head rollout", self._build)
+
+    def _build(self, key: tuple):
+        from dominospec.kernels.head_rollout import head_rollout
+        from dominospec.kernels.pool_select import pool_select
+
+        K, confidence = key
+
+        def rollout():
+            z, base, x_start = self.inputs.z[:K], self.inputs.base[:K], self.inputs.x_start
+            cand = pool_select(base, self.weights.pure_draft_prefix_len, self.pool_size, self.pool)  # [M] ascending
+            chain = head_rollout(self.weights, z, base, x_start, cand, confidence=confidence)
+            return chain.tokens, chain.confidence
+
+        return rollout
+
+    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, want: bool) -> DraftChain:
+        tokens, belief = self.graphs.run((self.inputs.fill(z, base_logits, x_start), want))
+        return DraftChain(tokens.clone(), None, None if belief is None else belief.clone())
+
+
 class SampledChains:
-    """The sampled chain's rollout as one CUDA graph per (K, sampling) (engine.graphs.DraftGraphs): the
-    head's `drawn_chain` on the static inputs z [B, H], u [B, V], x_start [1] and noise [B, V], which
-    `chain` fills (the noise from the request's generator, as the eager path draws it: the same
-    generator gives the same draft). The chain it returns is the graph's own output, valid until the
-    next sampled chain (a round verifies it before it drafts again). `enabled` False runs the same
-    function eagerly on the buffers. `holder`: the engine's graph holder (default: its own)."""
+    """The sampled chain's rollout as one graph per (K, sampling) on the holder's static inputs z, u,
+    x_start and noise [B, V] (the request's generator fills the noise before each replay):
+    chain(z, u, x_start, sampling, generator) -> DraftChain, the graph's outputs (valid until the next
+    chain), the same draws as the head's eager `noisy_chain` on the same generator."""
 
-    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
-                 enabled: bool, holder: Optional[Any] = None):
-        from dominospec.engine.graphs import DraftGraphs
-
-        holder = holder or DraftGraphs(block_size, hidden, vocab, dtype, device, enabled)
+    def __init__(self, holder: DraftGraphs):
         self.inputs = holder.inputs
         self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (the head sets it)
         self.graphs = holder.graphs("sampled chain", self._build)
@@ -226,14 +228,12 @@ class SampledChains:
 
 
 class _Draws:
-    """A sampler for the model's rollout (one row) that keeps what the engine needs of each draw:
-    q_j scattered over the vocabulary V (sampling) and q_j(d_j), the draft's belief. A step scored
-    over the pool sees M < V columns; `pool` maps them back.
-
-    Sampled, step j draws from q_j with the uniforms noise[j] [V] (its first N columns): the
-    exponential race d = argmax_i q_i / E_i, E_i = -log U_i ~ Exp(1) iid, picks i with probability
-    q_i exactly (the Gumbel-max trick in another form), and a token with q_i = 0 never. The noise is
-    drawn before the rollout, so the rollout has no random op and no host sync (a graph replays it)."""
+    """A sampler for the model's rollout (one row) that keeps q_j scattered over the vocabulary V
+    (sampling) and q_j(d_j), the draft's belief; a step scored over the pool sees M < V columns,
+    which `pool` maps back. Sampled, step j draws with the uniforms noise[j] [V] (its first N
+    columns): the exponential race d = argmax_i q_i / E_i, E_i = -log U_i ~ Exp(1) iid, picks i with
+    probability q_i exactly, and a token with q_i = 0 never. The noise is drawn before the rollout,
+    so the rollout has no random op and no host sync (a graph replays it)."""
 
     def __init__(self, sampling: Sampling, noise: Optional[torch.Tensor], vocab: int, pool: Optional[torch.Tensor]):
         self.sampling, self.noise, self.vocab, self.pool = sampling, noise, vocab, pool

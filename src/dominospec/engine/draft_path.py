@@ -1,15 +1,10 @@
 """The draft as one engine runs it, loaded once: `load_draft_path(draft, target, decoding) -> DraftPath`.
 
-The caller's draft, checked against the target and the mode by the resolve step (engine.decoding),
-is put on the draft path:
-- the model in `engine.draft_dtype` (the target's dtype when unset), its linears packed for oneDNN
-  with `engine.linear: packed` (engine.packed); a copy when either changes anything, since the
-  caller's draft is shared by other engines;
-- the LM head that gives its base logits u = lm_head(z) [K, V], in the same dtype and packing;
-- the block's MASK embeddings [B-1, H] and the target layers whose features it reads;
-- what proposes from a block (z [K, H], u [K, V]): the head's rollout (engine.draft_head: the
-  model's, its Triton kernels, or their CUDA graphs), and on DominoTree the tree grower
-  (engine.domino_tree), their graphs held in one place on static caches (engine.graphs.DraftGraphs).
+The caller's draft (checked by the resolve step) in `Decoding.draft_dtype`, its linears packed for oneDNN
+when asked (a copy when either changes anything: the caller's draft is shared by other engines); the LM
+head that gives u = lm_head(z) [K, V], alike; the block's MASK embeddings [B-1, H]; what proposes from a
+block: the head (engine.draft_head) and, on DominoTree, the grower (engine.domino_tree), their graphs on
+the one holder (engine.graphs.DraftGraphs; static caches only).
 """
 
 from __future__ import annotations

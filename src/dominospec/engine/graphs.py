@@ -1,16 +1,14 @@
 """CUDA graphs for the engine's fixed-shape forwards: capture once per shape, replay per round.
 
-`ShapeGraphs(build)` holds one captured graph per shape key (the target's row count, the draft's
-new context rows). `build(key)` returns a function of no arguments that reads only static input
-buffers and returns static output tensors; it is run a few times on a side stream (warm-up:
-cuBLAS workspaces, lazy allocations, Triton autotuning) and then captured. `run(key)` replays the
-graph and returns its outputs, which the next replay of the same key overwrites: callers copy what
-they keep.
+`ShapeGraphs(build)` holds one graph per shape key; `build(key)` returns a function of no arguments
+that reads only static input buffers and returns static outputs, run a few times on a side stream
+(warm-up: workspaces, lazy allocations, autotuning) and then captured. `run(key)` replays it; the next
+replay of that key overwrites its outputs (callers copy what they keep). With `enabled=False` (CPU,
+`cuda_graphs` off or static) `run` calls the function eagerly: the same buffers and arithmetic. A
+shape whose capture fails runs eagerly from then on, its error kept in `failures`.
 
-With `enabled=False` (CPU, or `engine.cuda_graphs: off`) `run(key)` calls the function eagerly:
-the same buffers and the same arithmetic, so the static-cache logic is testable without a GPU.
-A shape whose capture fails (an op that synchronises, an old library) runs eagerly from then on,
-and the failure is kept in `failures` for the caller to report.
+The runners hold their own forwards' graphs; `DraftGraphs` is the one holder of the rest (the draft
+block's outputs as static inputs, and the head's and the tree's graphs on them).
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ def capture(fn: Callable[[], Any], prepare: Callable[[], None] = lambda: None) -
 
 
 class FixedRows:
-    """Fixed-size buffers whose rows 0..length-1 hold the sequence: `reset` and `crop` only move
-    `length` (stale rows past it are masked by the reader and overwritten by the next write)."""
+    """Fixed-size buffers whose rows 0..length-1 hold the sequence: `reset` and `crop` only move `length`."""
 
     what = "static cache"
 
@@ -120,11 +117,9 @@ class BlockInputs:
 
 
 class DraftGraphs:
-    """The one holder of the draft's graphs beside its runners': the block's static inputs
-    (`BlockInputs`) and one `ShapeGraphs` per function captured on them, by name (the head's greedy
-    rollout, the sampled chain, the tree's build). `enabled` False runs every one eagerly on the
-    inputs. A round fills the inputs, then replays one of them: its outputs are valid until the
-    next replay of that function."""
+    """The block's static inputs (`BlockInputs`) and one `ShapeGraphs` per function captured on them, by
+    name (the head's greedy rollout, the sampled chain, the tree's build). A round fills the inputs and
+    replays one; its outputs are valid until that function's next replay."""
 
     def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
                  enabled: bool):

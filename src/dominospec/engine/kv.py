@@ -1,12 +1,8 @@
 """The target's KV cache: length and crop, the same on every transformers release.
 
-`DynamicCache.crop(x)` changed meaning across releases: older ones read x >= 0 as the absolute
-length to keep (and x < 0 as rows to drop); newer ones accept only x <= 0, rows to drop. A
-negative count means "drop that many rows" on both, so `crop_kv` only ever passes one, and
-never 0 (which the older releases read as "keep nothing").
-
-`move_rows` copies cached rows into earlier slots in place (a branching round's winning branch,
-engine.proposers), on the dynamic and the static cache alike.
+`DynamicCache.crop(x)` changed meaning across releases (older: x >= 0 the length to keep, x < 0 rows
+to drop; newer: only x <= 0, rows to drop), so `crop_kv` only ever passes a negative count. `move_rows`
+copies cached rows into earlier slots in place (a fork's or a tree's winning path), on either cache.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""The draft's side of a round on the lean decoder's fused ops (models.lean), beside engine.draft_block.
+"""The draft's side of a round on the lean decoder's fused ops (models.lean): `LeanDraftBlock`, a
+`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is.
 
-`LeanDraftBlock` has `StaticDraftBlock`'s interface: `block(features [1, S, n*H] or None, x_start
-[1], start, K) -> (z [K, H], base logits u [K, V])`, `extend(features)`, `crop(n)`, `reset()`,
-`length`. The draft's layers are pre-norm Qwen3 layers whose keys and values come from two
-sources (models.domino): committed context rows (target features -> fc -> hidden_norm -> k/v
-projections, no queries) and the block itself. Here both live in one cache, [layers, Hkv,
-capacity, D] each:
-
-    context rows   0 .. start-1        written by an append (S new rows at start-S .. start-1)
-    block rows     start .. start+B-1  written by the block's own forward, and overwritten by the
-                                       next append (the block's K/V are never committed)
-
-so the block attends with `tree_attention` over rows < start plus its own B rows, each seeing
-all B (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA graph per S <= B, as in
-the static runner: each layer projects the S context rows and the B block rows in one q/k/v GEMM
-(one read of its weights) and writes their K/V at start-S .. start+B-1; more rows (the prompt) are
-appended eagerly first. A context row's queries are computed
-and dropped (one matmul row of the fused q/k/v projection, cheaper than a second weight).
+The draft's pre-norm Qwen3 layers take keys and values from the committed context rows (target features
+-> fc -> hidden_norm -> k/v, no queries) and from the block itself; here both live in one cache
+[layers, Hkv, capacity + B, D]: context rows 0..start-1, then the block's rows start..start+B-1, which
+the next append overwrites (never committed). The block attends with `tree_attention` over rows <
+start and its own B rows (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA graph
+per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
 """
 
 from __future__ import annotations
@@ -27,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.engine.draft_block import GraphedBlock
-from dominospec.engine.graphs import ShapeGraphs
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.models.domino.modeling_domino import rope_cos_sin
 from dominospec.models.lean import DecoderOps, LeanStack, pack_layer
@@ -100,20 +89,13 @@ class LeanDraftBlock(GraphedBlock):
 
     def __init__(self, lean: LeanDraft, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int,
                  graphs: bool):
-        super().__init__(capacity)
-        self.lean, self.lm_head, self.embed_tokens = lean, lm_head, embed_tokens
-        self.mask_embeds = mask_embeds  # [B-1, H], the draft path's dtype
-        self.B = mask_embeds.shape[0] + 1
+        self.lean, B = lean, mask_embeds.shape[0] + 1
         device, dtype = mask_embeds.device, mask_embeds.dtype
-        self.keys, self.values = lean.stack.new_cache(capacity + self.B, dtype, device)  # + the block's own rows
-        lean.ensure_positions(capacity + self.B, dtype)
-        self.start = torch.zeros((), dtype=torch.long, device=device)  # the block's first row
-        self.x_start = torch.zeros(1, dtype=torch.long, device=device)
-        self.bits = torch.full((self.B,), (1 << self.B) - 1, dtype=torch.long, device=device)  # each slot sees all B
-        self.workspace = lean.stack.workspace_for(self.B, device)  # the block attention's scratch
-        feature_dim = lean.fc.shape[1]
-        self.features = {S: torch.zeros(1, S, feature_dim, dtype=dtype, device=device) for S in range(1, self.B + 1)}
-        self.graphs = ShapeGraphs(self._step, enabled=graphs)
+        self.keys, self.values = lean.stack.new_cache(capacity + B, dtype, device)  # + the block's own rows
+        lean.ensure_positions(capacity + B, dtype)
+        self.bits = torch.full((B,), (1 << B) - 1, dtype=torch.long, device=device)  # each slot sees all B
+        self.workspace = lean.stack.workspace_for(B, device)  # the block attention's scratch
+        super().__init__(lm_head, embed_tokens, mask_embeds, capacity, lean.fc.shape[1], graphs)
 
     def extend(self, features: torch.Tensor) -> None:
         """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
@@ -126,8 +108,7 @@ class LeanDraftBlock(GraphedBlock):
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
         def step() -> Output:
-            embeds = torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])  # [B, H]
-            z = self.lean.block(embeds, self.start, self.bits, self.keys, self.values, self.workspace,
+            z = self.lean.block(self.embeds(), self.start, self.bits, self.keys, self.values, self.workspace,
                                 self.features[S][0] if S else None)
             return z, self.lm_head(z)
         return step

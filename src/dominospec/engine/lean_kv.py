@@ -1,23 +1,13 @@
-"""The target's forwards on the lean decoder (models.lean), as the engine runs them.
+"""The target's forwards on the lean decoder (models.lean): `LeanTargetKV`, a `TargetRunner`
+(engine.runner_types) on the decoder's own [layers, Hkv, capacity, D] cache, written in place.
 
-`LeanTargetKV` is a third runner beside engine.target_kv's two, with their interface:
-`forward(ids [1, T], keep, tree=None) -> (logits [1, keep, V], features [1, T, n*H] or None)`,
-`select(rows)`, `crop(n)`, `reset()`, `length`. Its KV cache is the decoder's own pair of
-[layers, Hkv, capacity, D] tensors, written in place.
-
-Every forward of 1..`max_rows` rows (<= 320) replays one CUDA graph per row bucket (engine.graphs):
-every T up to 16 exactly (chains, lookups, small trees: no padding), wider forwards padded up to
-the next of 24, 32, 40, .. 64, 80, .. 128, 160, .. 320 (`row_buckets`), so that a runner of 257
-rows captures about 30 graphs, not 257. The graphs' inputs are static buffers: the ids, the rows'
-depths and their visibility bitmasks (a chain's by default, a tree's copied in from its `Tree.bits`:
-no host work), and the write position `start`, a device scalar. A padded row sees only itself and
-writes its K/V past the real rows, where the next forward overwrites them; its logits and features
-are dropped. The attention reads only cache rows below start + rows, so the cost of a forward follows
-the context, not the capacity, and a verify of a tree costs what a chain of its bucket does.
-Longer forwards (the prompt) run eagerly as one causal chain.
-
-`select(rows)` (a tree's winning branch into place) is one gather of every layer's rows at once,
-four launches whatever the depth of the model.
+A forward of T <= `max_rows` (<= 320) rows replays the CUDA graph of its row bucket (`row_buckets`:
+every T to 16, then padded to 24, 32, .. 64, 80, .. 128, 160, .. 320, about 30 graphs, not 320). The
+graph's inputs are static buffers: the ids, the rows' depths and visibility bitmasks (a chain's, or a
+tree's copied from its `Tree.bits`), and the write position `start`. A padded row sees only itself and
+writes past the real rows, where the next forward overwrites it. The attention reads only rows below
+start + T, so a forward costs what its context does, not the capacity. Longer forwards (the prompt)
+run eagerly as one causal chain. `select(rows)` is one gather of every layer's rows at once.
 """
 
 from __future__ import annotations

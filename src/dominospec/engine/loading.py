@@ -1,9 +1,8 @@
 """Finding and loading a trained draft for a loaded target, refusing one made for another target.
 
-Two directories hold a draft in the same Hugging Face layout (config.json + model.safetensors):
-the export dir `paths.draft` (bf16 weights, what SGLang serves) and the training output
-`paths.checkpoints/final` (`save_pretrained` of the trained module). `draft_dir` prefers the export.
-Either way the weights are cast to the target's dtype and device.
+`draft_dir` prefers the export dir `paths.draft` (bf16, what SGLang serves) to the training output
+`paths.checkpoints/final`; both are Hugging Face layouts (config.json + model.safetensors). The weights
+are cast to the target's dtype and device.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Prompt-lookup drafting (the `ngram` mode): propose what followed the last n-gram the last time it occurred.
+"""Prompt-lookup drafting (the `ngram` mode): what followed the last n-gram the last time it occurred.
 
-Training-free and free of any forward pass (Saxena's prompt-lookup decoding, transformers'
-`prompt_lookup_num_tokens`, SGLang's NGRAM). The context is the prompt plus the answer so far.
-For n = max_ngram down to min_ngram, the last n tokens are looked up among earlier occurrences;
-the most recent earlier occurrence wins and the up to K tokens that followed it are the draft.
-No occurrence -> no draft: the round is a plain target step (K = 0).
-
-`NgramIndex` keeps, for every n, a dict n-gram -> end positions of its occurrences, updated as
-tokens are appended, so a lookup costs O(max_ngram) dict probes, not a scan of the context.
+No forward pass (Saxena's prompt-lookup decoding, SGLang's NGRAM). For n = max_ngram down to min_ngram
+the context's last n tokens are looked up among their earlier occurrences; the most recent wins, and
+the up to K tokens after it are the draft (none: a plain step). `NgramIndex` keeps, for every n, a dict
+n-gram -> end position, updated as tokens are appended: a lookup is O(max_ngram) dict probes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Linear layers with weights pre-packed once for oneDNN (CPU): the engine's `linear: packed` switch.
+"""Linear layers with weights packed once for oneDNN (CPU): the engine's `linear: packed` switch.
 
-Why. On the 2-core EPYC, `F.linear` in fp32 goes through MKL, which re-packs the weight panel on
-every call once the input has more than one row: an 8-row verify forward costs well over one AR
-step although both stream the same weights (benchmarks/round_cost.py; the numbers are in
-docs/journal/2026-11-30-speculative-decoding-cost-on-cpu.md). oneDNN with a weight packed once
-(`mkldnn._reorder_linear_weight`) runs 1..8 rows at about the cost of one, in fp32 and in bf16
-(AVX-512 BF16). The arithmetic stays that of the dtype (fp32 stays IEEE fp32: only the
-summation order differs, as it already does between MKL's GEMV and GEMM paths).
-
-`pack_linears(module)` swaps every `nn.Linear` of a module for a `PackedLinear` holding the
-packed weight (the original `weight` stays reachable, e.g. for a tied embedding). It is applied
-to the target once, before any engine is built, so the AR baseline gets the same kernels as the
-verify forward. Only CPU tensors in fp32 / bf16 are packed; anything else (fp64 test models,
-CUDA) is left as it is.
+In fp32 `F.linear` goes through MKL, which re-packs the weight on every call of more than one row: an
+8-row verify cost well over one AR step on the 2-core EPYC (docs/journal/2026-11-30-speculative-decoding-
+cost-on-cpu.md). oneDNN with a weight packed once runs 1..8 rows at about the cost of one, fp32 and bf16,
+in the dtype's own arithmetic. `pack_linears(module)` swaps every packable `nn.Linear` (CPU, fp32 / bf16)
+for a `PackedLinear` (the original `weight` stays reachable, e.g. tied), on the target before any engine
+is built, so the AR baseline runs the verify's kernels.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
-"""Auto-K: how many drafts to verify this round, from measured acceptance and measured round cost.
+"""Auto-K: how many drafts to verify this round, from the measured acceptance and round cost.
 
-A round that verifies K drafts emits E(K) = 1 + a_1 + ... + a_K tokens on average, where a_k is
-the probability that at least k drafts are accepted, and costs C(K) ms (`RoundCost`, measured on
-this machine). K = 0 is a plain target step: no draft forward, 1 token, C(0) = one AR step. The
-policy picks K = argmax_K E(K) / C(K) over 0..K_max, so it verifies fewer drafts (or none) when
-the recent rounds accepted little, and it stops paying for the draft forward at all when even
-K = 1 would not beat a plain step: prompt lookup's fallback, for a draft.
+A round verifying K drafts emits E(K) = 1 + a_1 + ... + a_K tokens on average (a_k = P(at least k
+drafts accepted)) and costs C(K) ms (`RoundCost`); K = 0 is a plain target step, C(0) one AR step. The
+policy picks argmax_K E(K) / C(K) over 0..K_max, so it drafts less, or nothing, when recent rounds
+accepted little.
 
-Acceptance is estimated by position from decayed counts over the generation's recent rounds
-(the engine starts every generation from the prior, so that K, and with it a seeded sampled
-answer, does not depend on earlier requests; a window of W
-rounds: every round multiplies the counts by 1 - 1/W, so plain steps let old evidence fade):
-rho_k = P(d_k accepted | d_1..d_{k-1} accepted) = (hit_k + w * prior_k) / (tried_k + w), with
-prior_1 = PRIOR and prior_k = rho_{k-1} (an unseen position is assumed as good as the one before
-it), and a_k = rho_1 * ... * rho_k. A run of failures drives K to 0; as the counts fade, the
-prior comes back and a probe round is tried again.
+Acceptance by position from counts decayed over a window of W rounds (each round multiplies them by
+1 - 1/W), fresh every generation (a seeded sampled answer then depends on that generation alone):
+rho_k = (hit_k + w * prior_k) / (tried_k + w), prior_1 = PRIOR, prior_k = rho_{k-1}, a_k = rho_1 ...
+rho_k. As failures fade, the prior returns and a probe round is tried again.
 
-A forking round (engine.proposers, greedy) verifies the draft's chain of K_d tokens and, beside it, a
-prompt lookup of K_l tokens, as two branches of one forward. The lookup is estimated as if
-independent of the draft: E = 1 + sum_k 1 - (1 - a_k)(1 - l_k), with l_k the lookup's own survival.
-`choose_fork` picks (K_d, K_l) over the whole grid, so it drafts beside a lookup only when the
-expected gain pays for the draft forward and the wider verify, and falls back to either branch alone
-or to a plain step otherwise. DominoTree's budget is engine.tree_policy's.
+A forking round (greedy) verifies the draft's chain of K_d and a prompt lookup of K_l beside it; the
+lookup is taken as independent of the draft: E = 1 + sum_k 1 - (1 - a_k)(1 - l_k). `choose_fork` picks
+(K_d, K_l) over the whole grid. DominoTree's budget is engine.tree_policy's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""One round's proposal: every token the target verifies after x_start, each under a parent row.
+"""One round's proposal, every token the target verifies after x_start under a parent row, and its verdict.
 
-The verify rows (engine.accept): row 0 is x_start; rows 1..N hold the proposed tokens. The
-proposers (engine.proposers) build one `Proposal` a round from their parts:
-- the draft's chain: one part, a chain under row 0;
-- DominoTree: one part of n nodes, a best-first tree (engine.domino_tree);
-- a prompt lookup: one part, a chain under row 0, after the draft's (a fork); or alone.
-A chain alone needs no mask (`shape` None: the runners' causal verify); anything else carries its
-`Tree` (engine.verify_shape: depths and visibility, ancestors only).
+Row 0 of a verify is x_start; rows 1..N hold the proposed tokens, in parts: the draft's chain (a chain
+under row 0), DominoTree's n nodes (a best-first tree), a prompt lookup (a chain under row 0, after the
+draft's, or alone). A chain alone needs no mask (`shape` None: a causal verify); anything else carries
+its `Tree` (engine.verify_shape). The `Verdict` is what the verify accepted: the round commits its
+tokens on its rows, and the proposer books what each part would have accepted.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dominospec.engine.accept import Accepted
 from dominospec.engine.verify_shape import Tree, branch_tree
 
 
@@ -98,3 +97,37 @@ def _branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Ten
         parents += [0] + list(range(first, first + length - 1))
         first += length
     return torch.tensor(parents, dtype=torch.long).to(device)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """accepted: the path and the tokens to commit (engine.accept); features: the verify's target
+    features [1, T, n*H] (None without a draft), rows as the verify's; proposal: what was verified."""
+
+    accepted: Accepted
+    features: Optional[torch.Tensor]
+    proposal: Proposal
+
+    @property
+    def tokens(self) -> list[int]:
+        """The accepted proposals, then the target's own next token (committed in this order)."""
+        return self.accepted.tokens
+
+    @property
+    def rows(self) -> list[int]:
+        """The verify rows of x_start and the accepted proposals, row 0 first."""
+        return self.accepted.rows
+
+    def path_in(self, part: Optional[Part]) -> list[int]:
+        """The longest accepted path through `part`'s rows alone (greedy: whether or not it won; sampled:
+        the rows of the drawn path in it); [] without the part."""
+        if part is None:
+            return []
+        if self.accepted.walk is not None:
+            return self.accepted.walk.path(part.span)
+        return [r for r in self.rows[1:] if r in part.span]
+
+    def winner(self) -> Optional[Part]:
+        """The part the committed path runs through (the first when nothing was accepted)."""
+        first = self.rows[1] if len(self.rows) > 1 else 1
+        return next((p for p in self.proposal.parts if first in p.span), None)

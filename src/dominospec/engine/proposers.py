@@ -1,31 +1,22 @@
-"""Who proposes a round's tokens: a plan, a proposal, and what the proposer learns from the verdict.
-
-One `Proposer` per engine, chosen once by the mode (`proposer_for`); the round (engine.round) asks it
-three things and never looks at the mode:
-  plan(state, room, greedy)        -> Plan: K drafts to run (0: no draft forward), DominoTree's n
-                                      nodes, a lookup
+"""Who proposes a round's tokens, chosen once from the Decoding (`proposer_for`); the round (engine.round)
+asks it three things:
+  plan(state, room, greedy)        -> Plan: K drafts (0: no draft forward), a tree's n nodes, a lookup
   propose(plan, block, x_start, …) -> Proposal (engine.proposal) from the draft block (z, u) and the lookup
-  learn(plan, verdict, m, stats)   -> the generation's stats, and auto-K's models (engine.policy,
-                                      engine.tree_policy), each of its own part of the verify
+  learn(plan, verdict, m, stats)   -> the stats, and auto-K's models (engine.policy, engine.tree_policy)
 
-- `PlainSteps` (`ar`): nothing to propose, one target step a round.
+- `PlainSteps` (`ar`): one target step a round.
 - `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
-- `DraftChains` (`dflash`, `domino` with engine.tree.shape chain): the draft's chain, cut where its
-  confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces the draft, or,
-  forking (greedy), is verified beside it. Auto-K chooses (K, L) together (`choose_fork`), or K alone.
-- `BestFirstTrees` (`domino` with best_first, the default; `dominotree`): the best-first tree
-  (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup
-  beside it as in `DraftChains`.
-Auto-K's models are fresh in every generation (`fresh`), so a seeded sampled answer depends on that
-generation alone.
+- `DraftChains` (`dflash`; `domino` on the chain shape, or sampled): the draft's chain, cut where its
+  confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces it or, forking
+  (greedy), is verified beside it; auto-K chooses (K, L) together (`choose_fork`), or K alone.
+- `BestFirstTrees` (`domino` greedy on best_first, the default; `dominotree`): DominoTree
+  (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup beside it.
+Auto-K's models are fresh in every generation (`fresh`).
 
-A forking round (greedy) verifies the draft's proposal and the lookup for the same positions as
-branches of one forward under row 0 (engine.verify_shape.branch_tree): lookups and the draft win on
-different stretches (a lookup on text that repeats the prompt or itself, the draft elsewhere).
-Acceptance (engine.accept) walks the branches like any tree: the one accepted furthest wins, a tie
-going to the draft (its rows are already in place), and the commit moves the winner's rows into
-place. Under sampling, two proposals for one position would need multi-draft rejection over their q,
-which the engine does not do: a sampled round verifies the draft alone, or a lookup alone.
+A forking round verifies the draft's proposal and the lookup as branches of one forward under row 0;
+the branch accepted furthest wins (the draft on a tie: its rows are in place). Sampled, two proposals
+for one position would need multi-draft rejection, which the engine does not do: a sampled round
+verifies the draft alone, or a lookup alone.
 """
 
 from __future__ import annotations
@@ -37,10 +28,9 @@ import torch
 
 from dominospec.engine.decoding import Decoding
 from dominospec.engine.policy import AcceptanceModel, RoundCost, choose_fork, choose_k
-from dominospec.engine.proposal import Proposal, best_first, chains
+from dominospec.engine.proposal import Proposal, Verdict, best_first, chains
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.tree_policy import TreeModel, choose_nodes
-from dominospec.engine.verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -134,7 +124,7 @@ class LookupSteps(Proposer):
 
 
 class DraftChains(Proposer):
-    """`dflash` / `domino` with engine.tree.shape chain: the draft's chain, and a lookup."""
+    """The draft's chain, and a lookup."""
 
     def __init__(self, head: Any, confidence_cut: float, **shared: Any):
         self.head, self.confidence_cut = head, confidence_cut
@@ -189,10 +179,9 @@ REPLAN_ROUNDS = 4  # auto-budget re-solves DominoTree's plan every this many rou
 
 
 class BestFirstTrees(Proposer):
-    """`domino` with best_first (`dominotree`): the best-first tree's best n nodes, and a lookup. Auto-budget's plan (the tree
-    model's survival and `choose_nodes`, about 0.15 ms of host time a round on a GPU host) is solved
-    once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the model moves by
-    a few percent of its window a round, and on a small target the host bounds a tree round."""
+    """DominoTree's best n nodes, and a lookup. Auto-budget's plan (about 0.15 ms of host time on a GPU
+    host) is solved once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the
+    model moves by a few percent of its window a round, and on a small target the host bounds a round."""
 
     def __init__(self, grower: Any, nodes: int, **shared: Any):
         self.grower, self.nodes = grower, nodes
@@ -254,13 +243,14 @@ class BestFirstTrees(Proposer):
                 self.since_solve = 0
 
 
-def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device) -> Proposer:
-    """The engine's proposer, chosen once from its Decoding (engine.decoding): the head's chain or
-    DominoTree's build (engine.draft_path) where a draft drafts, the lookup alone, or plain steps."""
+def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device, sampled: bool = False) -> Proposer:
+    """The engine's proposer for greedy (or `sampled`) requests, chosen once from its Decoding
+    (engine.decoding): DominoTree's build (engine.draft_path) unless a sampled `domino` drafts the
+    head's chain, the head's chain, the lookup alone, or plain steps."""
     d = decoding
     shared = dict(num_draft=d.k_max, lookup_k_max=d.lookup.k_max, window=d.window, auto=d.auto, fork=d.lookup.fork,
                   device=device)
-    if d.tree:
+    if d.tree and not (sampled and d.sampled_chain):
         return BestFirstTrees(grower, d.nodes, **shared)
     if d.drafting:
         return DraftChains(head, d.cut, **shared)

@@ -1,19 +1,13 @@
 """One round: plan -> draft block -> proposal -> one verify -> acceptance -> commit -> learn.
 
-The round keeps the engine's invariants (engine.spec): at its start the target KV holds positions
-0..start-1 and x_start, the last committed token, sits at `start`; the draft context plus the target
-features still waiting to be appended to it (`pending`) hold the same rows. Its steps:
-  0. plan (the engine's proposer, engine.proposers): K drafts, a tree's nodes, a prompt lookup; K = 0
-     drafts nothing (a lookup round, or a plain step);
-  1. the draft forward over [x_start, MASK x (B-1)] at positions start..start+B-1, the pending
-     features appended first -> z [K, H], base logits u [K, V] (the draft path's dtype);
-  2. the proposer's proposal (engine.proposal): a chain or a tree, a lookup beside it or alone;
-  3. one target forward over [x_start, the proposal] with ancestors-only attention (a chain: causal),
-     with the features of the draft's target layers, and one acceptance (engine.accept);
-  4. commit: the accepted path's rows moved into place in the target KV, the rest cropped, their
-     features pending for the draft context; then the proposer learns from the verdict.
-With m tokens committed the target KV is cropped to start + m (x_start and the first m - 1
-accepted), so after every round: target KV length == draft context + pending == prompt + emitted - 1.
+At its start the target KV holds positions 0..start-1 and x_start, the last committed token, sits at
+`start`; the draft context plus the target features waiting to be appended to it (`pending`) hold the
+same rows. The proposer plans (K = 0: no draft forward); the draft block runs over [x_start, MASK x
+(B-1)] at start..start+B-1, the pending features appended first -> z [K, H], u [K, V]; the proposer
+proposes (engine.proposal); one target forward verifies [x_start, the proposal] with ancestors-only
+attention and the draft's target-layer features, and engine.accept accepts; with m tokens committed the
+accepted rows move into place, the target KV is cropped to start + m, their features pend for the draft.
+After every round: target KV length == draft context + pending == prompt + emitted - 1.
 """
 
 from __future__ import annotations
@@ -26,12 +20,12 @@ import torch
 from dominospec.engine.accept import accept
 from dominospec.engine.clock import PhaseClock
 from dominospec.engine.ngram import NgramIndex
+from dominospec.engine.proposal import Verdict
 from dominospec.engine.proposers import Proposer
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import GenerationStats
 from dominospec.engine.stops import admit
-from dominospec.engine.verdict import Verdict
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,6 @@
-"""What the round asks of its runners, as Protocols: the target's forwards on its KV cache and the draft's block.
-
-Target runners (engine.target_kv, engine.lean_kv): dynamic (transformers' DynamicCache), static
-(transformers' forward on a StaticCache, its mask explicit) and lean (models.lean on its own cache,
-the mask as ancestor bits). Draft runners (engine.draft_block, engine.lean_draft): dynamic, static
-and lean. The round (engine.round), the cost measurement (engine.cost) and the runners' chooser
-(engine.runners) see only these.
+"""What the round asks of its runners, as Protocols: the target's forwards on its KV cache and the draft's
+block. Target runners: dynamic, static (transformers' forward on a StaticCache) and lean (models.lean);
+draft runners: dynamic, static and lean. The round, the cost measurement and engine.runners see only these.
 """
 
 from __future__ import annotations
@@ -24,14 +20,10 @@ class TargetRunner(Protocol):
 
     @property
     def length(self) -> int: ...
-
     def reset(self) -> None: ...
-
     def forward(self, ids: torch.Tensor, keep: int,
                 tree: Optional[Tree] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
-
     def select(self, rows: list[int]) -> None: ...
-
     def crop(self, n: int) -> None: ...
 
 
@@ -43,12 +35,8 @@ class DraftRunner(Protocol):
 
     @property
     def length(self) -> int: ...
-
     def reset(self) -> None: ...
-
     def extend(self, features: torch.Tensor) -> None: ...
-
     def crop(self, n: int) -> None: ...
-
     def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int,
               K: int) -> tuple[torch.Tensor, torch.Tensor]: ...

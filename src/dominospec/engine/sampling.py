@@ -1,7 +1,5 @@
-"""How tokens are drawn: `Sampling` turns logits into the distribution tokens are drawn from
-(temperature, then top-k, then top-p), applied identically to the target's p and the draft's q.
-Temperature 0 is greedy. The acceptance rules that keep speculative decoding lossless under it
-are in engine.accept.
+"""How tokens are drawn: `Sampling` warps logits (temperature, then top-k, then top-p) alike for the
+target's p and the draft's q; temperature 0 is greedy. The lossless acceptance is engine.accept's.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
-"""Speculative decoding with a Domino / DFlash draft or prompt lookup, batch size 1, and the AR baseline.
+"""Speculative decoding at batch size 1: `SpecEngine(target, draft, mode, num_draft, params)`, one per
+(target, draft, mode); `generate(prompt ids) -> Generation`.
 
-One `SpecEngine` per (target, draft, mode); `generate(prompt ids) -> Generation`:
-
-- `ar`: plain autoregressive decoding, one target forward per token (the baseline).
-- `ngram`: prompt-lookup drafting (engine.ngram): no draft model, no draft forward.
-- `dflash`: the draft backbone proposes a block, each draft token an independent draw from the
-  base logits u (head off).
-- `domino`: the same block and the Domino head (GRU-corrected logits u + delta), drafting what
-  `engine.tree.shape` names: `best_first` (the default) a best-first tree of `engine.tree.nodes`
-  nodes (engine.domino_tree), of which auto-budget verifies the best n (engine.tree_policy), or
-  `chain` the head's one chain.
-- `dominotree`: `domino` with best_first whatever the shape says (the engine's mode then reads so).
-With `ngram_assist` a draft mode's round whose context offers a prompt-lookup continuation verifies
-that instead, or, with `ngram_fork` (greedy), beside the draft (engine.proposers).
-
-Resolve once: (mode, num_draft, params, target, draft) become a frozen `Decoding` (engine.decoding),
-and nothing after that step reads the mode or the params. From it the draft is put on the draft
-path (engine.draft_path: dtype, packing, its head and tree, their graphs in one holder), the
-proposer is chosen (engine.proposers) and the runners (engine.runners: dynamic or static caches,
-transformers' forward or the lean decoder, with their CUDA graphs). Every round is the same
-(engine.round): plan, draft block, proposal, one verify, one acceptance (engine.accept), commit, learn. Invariant between rounds: target KV length == draft context + pending features ==
-prompt + emitted - 1; x_start, the last committed token, has no target KV yet.
-
-`num_draft` = K_max, the draft tokens verified per round, 1..B (None: B-1; in `ngram`
-`ngram_num_draft`), or "auto": K in 0..K_max chosen every round (engine.policy) from the round cost
-measured on the first prompt (`calibrate`) and the acceptance of the generation's recent rounds.
+Resolve once (engine.decoding: the modes, what each drafts): (mode, num_draft, params, target, draft)
+become a frozen `Decoding`, and nothing after it reads the mode or the params. From it: the draft path
+(engine.draft_path), the proposers (engine.proposers; a `domino` engine keeps a second one for sampled
+requests, its chain) and the runners (engine.runners). Every round is engine.round's. Invariant
+between rounds: target KV length == draft context + pending features == prompt + emitted - 1; x_start,
+the last committed token, has no target KV yet. `num_draft` = K_max (None: B - 1; ngram:
+ngram_num_draft) or "auto": K in 0..K_max chosen every round (engine.policy) from the round cost
+measured on the first prompt (`calibrate`) and the generation's recent acceptance.
 """
 
 from __future__ import annotations
@@ -37,7 +21,6 @@ import torch
 from dominospec.config import EngineParams
 from dominospec.engine.cost import measure_round_cost
 from dominospec.engine.decoding import MODES, resolve
-from dominospec.engine.detok import IncrementalDetokenizer
 from dominospec.engine.draft_path import DraftPath, load_draft_path
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.proposers import proposer_for
@@ -45,7 +28,7 @@ from dominospec.engine.round import Request, RoundState, play_round
 from dominospec.engine.runners import EngineRunners
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import Generation, GenerationStats
-from dominospec.engine.stops import admit, cut_at_stop_string, stop_token_ids
+from dominospec.engine.stops import IncrementalDetokenizer, admit, cut_at_stop_string, stop_token_ids
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
@@ -57,23 +40,23 @@ class SpecEngine:
                  num_draft: Union[int, str, None] = None, params: Optional[EngineParams] = None):
         self.decoding = d = resolve(target, draft, mode, num_draft, params)  # nothing below reads mode or params
         self.mode, self.target, self.model = d.name, target, target.model
-        self.params = params  # what it was built from, a record for its callers; the engine reads `decoding`
+        self.params = params  # a record for its callers; the engine reads `decoding`
         self.device = target.device
         self.max_positions = int(self.model.config.max_position_embeddings)
         self.stop_ids = frozenset(stop_token_ids(target.tokenizer, self.model))
         self.path: Optional[DraftPath] = load_draft_path(draft, target, d) if d.drafting else None
-        self.draft = self.path.model if self.path else None
-        self.head = self.path.head if self.path else None  # the draft's proposal (engine.draft_head)
-        self.grower = self.path.grower if self.path else None  # DominoTree's build
+        self.draft, self.head, self.grower = (self.path.model, self.path.head, self.path.grower) if self.path else (None,) * 3
         self.block_size, self.num_draft, self.nodes, self.auto = d.block_size, d.k_max, d.nodes, d.auto
         self.draft_dtype, self.lookup_k_max = d.draft_dtype, d.lookup.k_max
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
-        self.proposer = proposer_for(d, self.head, self.grower, self.device)
+        self.proposer = proposer_for(d, self.head, self.grower, self.device)  # greedy requests'
+        self.sampled_proposer = (proposer_for(d, self.head, self.grower, self.device, sampled=True)
+                                 if d.sampled_chain else self.proposer)
         self.runners = EngineRunners(target, d, self.path)
 
     @property
     def max_verify(self) -> int:
-        """The most tokens one round verifies (a chain of K or a tree's nodes, a lookup, or both, forking)."""
+        """The most tokens one round verifies (engine.decoding)."""
         return self.decoding.max_verify
 
     @property
@@ -83,41 +66,33 @@ class SpecEngine:
 
     @cost.setter
     def cost(self, cost: Optional[RoundCost]) -> None:
-        self.proposer.cost = cost
+        self.proposer.cost = self.sampled_proposer.cost = cost
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
                  stop_strings: Sequence[str] = (), seed: Optional[int] = None,
                  on_tokens: Optional[Callable[[list[int]], bool]] = None) -> Generation:
-        """Prompt token ids [T] -> Generation of at most `max_new_tokens` tokens (fewer when a stop
-        token or stop string ends it, or the target's context is full). `seed` seeds sampling.
-
-        `on_tokens` (streaming) is called after the first token and after every round with the ids
-        committed in that step, after stop-token, budget and stop-string trimming: the chunks
-        concatenate to `token_ids`. It returning False ends generation with finish_reason "abort"
-        (e.g. the client has gone). The text of a chunk may still end in part of a stop string that
-        a later step completes; `Generation.text` is the authoritative text.
-        """
+        """Prompt token ids [T] -> Generation of at most `max_new_tokens` tokens (fewer at a stop token or
+        string, or a full context). `seed` seeds sampling. `on_tokens` (streaming) gets the ids each step
+        committed (after stop and budget trimming: the chunks concatenate to `token_ids`); False from it
+        ends generation ("abort"). A chunk's text may end in part of a stop string; `Generation.text` is
+        the authoritative text."""
         prompt = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)  # [T]
         T = prompt.numel()
         if T == 0:
             raise UserError("the prompt is empty")
         if T >= self.max_positions:
-            raise UserError(
-                f"the prompt has {T} tokens but the target's context holds {self.max_positions} "
-                "(max_position_embeddings): no room to generate"
-            )
+            raise UserError(f"the prompt has {T} tokens but the target's context holds {self.max_positions} "
+                            "(max_position_embeddings): no room to generate")
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if self.auto and self.cost is None:
             self.calibrate(prompt.tolist())
-        self.proposer.fresh()  # auto-K learns afresh: K depends on this generation's rounds alone
+        proposer = self.proposer if sampling.greedy else self.sampled_proposer
+        proposer.fresh()  # auto-K learns afresh: K depends on this generation's rounds alone
         budget = min(max_new_tokens, self.max_positions - T)
         generator = torch.Generator(device=self.device)
-        if seed is not None:
-            generator.manual_seed(seed)
-        else:
-            generator.seed()
+        generator.manual_seed(seed) if seed is not None else generator.seed()
         stops = tuple(s for s in stop_strings if s)
         request = Request(budget, sampling, generator, self.stop_ids)
         stats = GenerationStats(self.mode, T, self.num_draft)
@@ -157,7 +132,7 @@ class SpecEngine:
                 break
             start = T + len(tokens) - 1  # position of x_start = tokens[-1]
             assert state.kv.length == start, "target KV out of step"
-            new, reason = play_round(self.proposer, state, tokens, start, request, stats)
+            new, reason = play_round(proposer, state, tokens, start, request, stats)
 
         # Invariant after generation: both caches hold the committed prefix minus the last token.
         state.kv.crop(T + len(tokens) - 1)
@@ -167,8 +142,8 @@ class SpecEngine:
         stats.new_tokens = len(tokens)
         stats.total_s = self.now() - t_begin
         phases = state.clock.seconds()
-        stats.draft_s, stats.rollout_s = phases.get("draft", 0.0), phases.get("rollout", 0.0)
-        stats.verify_s, stats.draft_round_s = phases.get("verify", 0.0), phases.get("draft_round", 0.0)
+        stats.draft_s, stats.rollout_s, stats.verify_s, stats.draft_round_s = (
+            phases.get(p, 0.0) for p in ("draft", "rollout", "verify", "draft_round"))
         stats.target_kv_length = state.kv.length
         stats.draft_context_length = state.drafter.length if drafting else 0
         text = self._decode(tokens)
@@ -177,19 +152,16 @@ class SpecEngine:
         return Generation(token_ids=tokens, text=text, finish_reason=reason, stats=stats)
 
     def capture(self, rows: int) -> None:
-        """Run every shape a generation of at most `rows` positions can replay once, so that its CUDA
-        graphs are captured before the first request (engine.runners.EngineRunners.capture)."""
+        """Capture the CUDA graphs a generation of at most `rows` positions replays (engine.runners)."""
         self.runners.capture(rows, self.num_draft)
 
     def capture_all(self) -> None:
-        """On CUDA graphs: `capture` every capacity bucket, so that no request waits for a capture
-        (a server's start-up). A no-op without graphs."""
+        """`capture` every capacity bucket (a server's start-up); a no-op without graphs."""
         self.runners.capture_all(self.num_draft)
 
     def calibrate(self, prompt: list[int], shared: Optional[RoundCost] = None) -> RoundCost:
-        """Measure this machine's round cost by K on `prompt` (engine.cost) -> the cost auto-K uses.
-        `shared`: another engine's cost on the same target and draft, whose verify and draft
-        forward costs this engine takes (engine.cost.measure_round_cost)."""
+        """This machine's round cost measured on `prompt` (engine.cost; `shared`: another engine's on the
+        same target and draft, whose verify and draft forward costs it takes) -> the cost auto-K uses."""
         kv, drafter = self.runners.pair(len(prompt) + self.runners.max_rows)
         ids = torch.tensor(prompt, device=self.device)
         self.cost = measure_round_cost(kv, drafter, self.path, self.decoding, ids, self.now, shared=shared)

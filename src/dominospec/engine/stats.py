@@ -1,9 +1,8 @@
 """What one generation produced and cost: `Generation` and its `GenerationStats`.
 
-τ (`acceptance_length`) = tokens emitted by verify rounds ÷ verify rounds, bonus included; the
-first token, sampled from the prefill, belongs to no round. A round that verified no draft
-(K = 0: a plain step, chosen by auto-K or because prompt lookup found nothing) is a round too,
-with 1 token: τ is what the target forwards after the prefill bought, whatever drafted them.
+τ (`acceptance_length`) = tokens emitted by verify rounds ÷ verify rounds, bonus included (the first
+token, from the prefill, belongs to no round); a round that verified no draft is a round of 1 token:
+τ is what the target forwards after the prefill bought, whatever drafted them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,18 @@
-"""When generation stops: end-of-sequence tokens, stop strings, and the token budget.
+"""When generation stops, and its text: end-of-sequence tokens, stop strings, the token budget.
 
-The stop tokens are the tokenizer's EOS, the model's `generation_config.eos_token_id` (an id or a
-list), and the special token that closes an assistant turn in the chat template (SmolLM2 and
-Qwen: `<|im_end|>`, Llama 3: `<|eot_id|>`), found by rendering a short exchange.
-A stop token is part of the output ids; stop strings cut the text (see `cut_at_stop_string`).
+The stop tokens are the tokenizer's EOS, the model's `generation_config.eos_token_id` (an id or a list)
+and the special token that closes an assistant turn in the chat template (SmolLM2 and Qwen:
+`<|im_end|>`, Llama 3: `<|eot_id|>`), found by rendering a short exchange; a stop token is part of the
+output ids. Stop strings cut the text (`cut_at_stop_string`), which `IncrementalDetokenizer` keeps at
+O(new tokens) a step (the offsets scheme of TGI / vLLM): only the tokens since `prefix_offset` (a few
+already in the text, the decoder's left context) are decoded, with and without the new ones; the
+difference is the new text, released unless it ends in U+FFFD (bytes still missing). Invariant:
+`text` == decode(tokens[:read_offset]) (byte-level BPE and SentencePiece; tests/engine/test_detok.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 
 def end_of_turn_id(tokenizer: Any) -> Optional[int]:
@@ -60,3 +64,38 @@ def admit(tokens: list[int], proposed: list[int], budget: int, stop_ids: frozens
     if len(proposed) >= room:
         return room, "length"
     return len(proposed), None
+
+
+class IncrementalDetokenizer:
+    """Token ids pushed in, text deltas out; `text` is everything released so far."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # start of the context window (tokens already in `text`)
+        self.read_offset = 0  # tokens[:read_offset] are in `text`
+        self.text = ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Newly committed ids -> the text they complete (possibly "", when bytes are still missing)."""
+        self.tokens.extend(int(t) for t in ids)
+        before, after = self._window()
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+    def preview(self) -> str:
+        """`text` plus what the held-back tokens already decode to, without a trailing U+FFFD."""
+        if self.read_offset == len(self.tokens):
+            return self.text
+        before, after = self._window()
+        return self.text + after[len(before) :].rstrip("\ufffd")
+
+    def _window(self) -> tuple[str, str]:
+        """-> decode(tokens[prefix_offset:read_offset]), decode(tokens[prefix_offset:])."""
+        window = self.tokens[self.prefix_offset :]
+        done = self.read_offset - self.prefix_offset
+        return (self.decode(window[:done]) if done else ""), (self.decode(window) if window else "")

@@ -1,23 +1,15 @@
-"""The target's forwards on its KV cache, as the engine runs them: prefill, verify, AR step, crop.
-
-Two interchangeable runners, both `forward(ids [1, T], keep, tree=None) -> (logits [1, keep, V],
-features [1, T, n*H] or None)`, the rows appended after the `length` cached ones, `select(rows)`
-to move the last forward's rows `rows` into its first slots (a fork round's winning branch),
-`crop(n)` to keep positions 0..n-1, `reset()` for a new generation. Without a tree the rows are
-one chain at positions `length .. length+T-1`; a `Tree` (engine.verify_shape) gives each row its depth
-(position length + depth) and the rows of this forward it sees, besides every cached one.
+"""The target's forwards on its KV cache (the `TargetRunner` Protocol, engine.runner_types):
+forward(ids [1, T], keep, tree) -> (logits [1, keep, V], features [1, T, n*H] or None), the rows
+appended after the `length` cached ones, at positions length + depth (a chain without a tree).
 
 - `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
-- `StaticTargetKV`: a `StaticCache` of `capacity` rows written in place, with an explicit mask
-  [1, 1, T, capacity] (row t sees the columns before `start`, and those of its tree's visible
-  rows), so every forward of T rows has one fixed shape; the tree is an input buffer of the graph. Forwards of 1..`max_rows` rows run as CUDA graphs (engine.graphs), one per T; longer
-  ones (the prefill) run eagerly on the same cache. Crop only moves `length`: stale rows past it
-  are masked and overwritten by the next forward.
-
-The write position. transformers >= 5.2x keeps a tensor counter per static layer
-(`cumulative_length`) and writes there; older releases write at the `cache_position` argument.
-Each forward sets both from one device scalar (`start`), inside the graph, so a replay never
-depends on what the previous one left behind.
+- `StaticTargetKV`: a `StaticCache` of `capacity` rows written in place with an explicit mask
+  [1, 1, T, capacity] (the columns before `start`, and the tree's visible rows), one fixed shape per T:
+  T <= `max_rows` replays a CUDA graph (engine.graphs), the tree an input buffer; the prefill is eager.
+  Crop moves `length` only: rows past it are masked, then overwritten.
+The write position: transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`),
+older releases at `cache_position`; each forward sets both from one device scalar (`start`) inside
+the graph, so a replay never depends on what the previous one left.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The shape of a verify forward: each row's depth and the rows it sees (`Tree`).
 
-A verify runs T rows in one target forward: row 0 is x_start at position `start`, every other row
-a proposed token at position start + its depth. A row attends to the committed context, to itself
-and to the rows its tree lets it see, its ancestors; the runners (engine.target_kv,
-engine.lean_kv) take the shape as it is, the round (engine.proposal) builds it.
-
-- one chain (`chain_tree`): row i at depth i, seeing rows 0..i (the causal mask);
-- branches under row 0 (`branch_tree`, a forking round: engine.proposers), T = 1 + sum(lengths),
-  branch b of length K_b at rows first_b .. first_b + K_b - 1 (first_0 = 1, first_{b+1} = first_b + K_b):
-
-      row 0                   x_start               position start
-      rows of branch b        p_1 .. p_{K_b}        positions start+1 .. start+K_b
-
-  each row sees row 0 and the rows before it in its own branch, never another branch: each
-  branch's logits and features are those a chain of its own would get (up to the rounding of a
-  wider forward);
-- a DominoTree's nodes (engine.domino_tree), which write their own bitmask (`pack_bits`).
-
-The lean verify reads visibility as a bitmask a row (`Tree.bits`, int64 words), up to
-MAX_TREE_ROWS rows.
+Row 0 is x_start at position `start`, every other row a proposed token at start + its depth; a row
+attends to the committed context, itself and its ancestors. The runners take the shape as it is, the
+proposal builds it:
+- one chain (`chain_tree`): row i at depth i, seeing rows 0..i;
+- branches under row 0 (`branch_tree`, a fork): each row sees row 0 and the rows before it in its own
+  branch, so each branch gets the logits a chain of its own would (up to a wider forward's rounding);
+- DominoTree's nodes (engine.domino_tree), which write their own bitmask (`pack_bits`).
+The lean verify reads visibility as int64 bitmask words a row (`Tree.bits`), up to MAX_TREE_ROWS rows.
 """
 
 from __future__ import annotations
@@ -35,10 +24,9 @@ MAX_TREE_ROWS = 320  # rows of one lean verify: x_start, 256 tree nodes and a lo
 
 @dataclass(frozen=True)
 class Tree:
-    """The shape of a verify forward of T rows: depth [T] long (position = start + depth), and
-    visible [T, T] bool (visible[i, j]: row i attends to row j; always visible[i, i]); `bits`
-    [T, words_for(T)] int64 is `visible` as a bitmask a row (bit j % 64 of word j // 64: row j),
-    for T <= MAX_TREE_ROWS (None beyond). One of the two may be None: `mask()` reads either."""
+    """A verify of T rows: depth [T] long (position = start + depth); visible [T, T] bool (row i attends
+    to row j; always to itself); bits [T, words_for(T)] int64, `visible` as bit j % 64 of word j // 64
+    (T <= MAX_TREE_ROWS). One of the two may be None: `mask()` reads either."""
 
     depth: torch.Tensor
     visible: Optional[torch.Tensor]
@@ -49,8 +37,7 @@ class Tree:
         return Tree(depth, visible, visibility_bits(visible))
 
     def mask(self) -> torch.Tensor:
-        """visible [T, T] bool, unpacked from `bits` when the tree was built as a bitmask alone (a
-        DominoTree's verify on the lean decoder never needs it)."""
+        """visible [T, T] bool, unpacked from `bits` when the tree was built as a bitmask alone."""
         if self.visible is not None:
             return self.visible
         T = self.bits.shape[0]
@@ -64,10 +51,7 @@ def words_for(rows: int) -> int:
 
 
 def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
-    """visible [T, T] bool -> [T, words_for(T)] int64, bit j % 64 of word j // 64 of row i set iff
-    visible[i, j] (bit 63 of a word wraps to its sign): the format kernels.tree_attention reads (its
-    `bits_from_visible`, which the engine does not import: the kernels bring triton in); None when
-    T > MAX_TREE_ROWS. Tensor ops only."""
+    """visible [T, T] bool -> its bitmask (`pack_bits`, kernels.tree_attention's format), None past MAX_TREE_ROWS."""
     T = visible.shape[-1]
     return None if T > MAX_TREE_ROWS else pack_bits(visible)
 
@@ -88,9 +72,8 @@ def chain_tree(T: int, device: torch.device) -> Tree:
 
 
 def branch_tree(lengths: Sequence[int], device: torch.device) -> Tree:
-    """Row 0, then one branch per length, in order (module docstring) -> their Tree. Cached by shape:
-    a round's tree costs no host -> device copy, which would wait for the GPU's queued work (the
-    draft's rollout) before the verify could be launched. Read-only: callers copy from it."""
+    """Row 0, then one branch per length, in order -> their Tree. Cached by shape (read-only): no host ->
+    device copy, which would wait for the GPU's queued work before the verify could launch."""
     return _branch_tree(tuple(lengths), torch.device(device))
 
 
