@@ -16,6 +16,7 @@ The lean decoder's layer (the engine's `engine.lean_target`, nine launches a lay
 
 Training:
 - cross_entropy: fused per-row cross-entropy over a wide vocabulary (`train.ce_kernel`).
+- distill: the acceptance + kd loss on the target's distribution, value and gradient in one launch (`train.distill_kernel`).
 
 Imports torch and triton only (tests/test_layout.py). On a machine without CUDA, set
 TRITON_INTERPRET=1 before triton is imported.

@@ -130,6 +130,12 @@ def _distill_kernel(z_ptr, t_ptr, index_ptr, t_lse_ptr, coef_ptr, loss_ptr, grad
 
 # ---- launchers --------------------------------------------------------------------------------
 
+# Chunk width and warps on a GPU: 2048 columns over 4 warps, 16 elements a thread for each of the up
+# to six [BLOCK_V] values live in pass 2 (z, t, qT, pT and two sums), where the cross-entropy's 4096
+# would hold 32 each and risk spilling registers. Not yet swept on a GPU: `benchmarks/train_step_gpu.py`
+# takes the knobs distill_block=N and distill_warps=N.
+BLOCK_V, NUM_WARPS = 2048, 4
+
 
 def distill_forward(logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tensor, teacher_lse: torch.Tensor,
                     coef: torch.Tensor, temperature: float, mix: float,
@@ -149,5 +155,5 @@ def distill_forward(logits: torch.Tensor, teacher: torch.Tensor, index: torch.Te
         _distill_kernel[(N,)](logits, teacher, index.contiguous(), teacher_lse.float().contiguous(),
                               coef.float().contiguous(), rows, out, V, logits.stride(0), teacher.stride(0),
                               out.stride(0) if grad else 0, 1.0 / temperature, mix, TV=mix > 0, KD=mix < 1,
-                              GRAD=grad, **launch_config(logits))
+                              GRAD=grad, **launch_config(logits, BLOCK_V, NUM_WARPS))
     return rows, out if grad else None
