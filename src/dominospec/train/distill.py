@@ -25,11 +25,12 @@ Three implementations of the same loss (`train.distill_kernel`):
 - `distill_rows` (rows): per-row values; chunks of fp32 rows, the target's softmaxes recomputed on
   every chunk, forward and backward. The reference the others are tested against.
 - `fused_distill` (torch): the slot-weighted sum sum_n c_n row_n in one pass over row chunks that
-  computes the value and its gradient together (saved in the logits' dtype; backward is a scale),
-  skips the rows with c_n = 0, and reads the target's log-partitions per target row
-  (`teacher_logsumexp`: once per sequence position, not once per block slot and pass).
+  computes the value and its gradient together (saved in the logits' dtype; backward is a scale)
+  and skips the rows with c_n = 0.
 - the same on CUDA as one Triton kernel (`dominospec.kernels.distill`): z read three times, t twice,
-  the gradient written once, all in the logits' dtype (docs/training.md has the costs).
+  the gradient written once, all in the logits' dtype, the target's log-partitions read per target
+  row (`teacher_logsumexp`: once per sequence position, not per block slot); docs/training.md has
+  the costs.
 None holds a [rows, V] fp32 copy nor the target's logits gathered per block slot.
 """
 
@@ -120,36 +121,39 @@ def teacher_logsumexp(teacher: torch.Tensor, temperature: float) -> torch.Tensor
     return out
 
 
-def _fused_chunk(z: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, T: float, mix: float, grad: bool):
-    """fp32 draft logits z [c, V], target logits t [c, V], their rows' `teacher_logsumexp` [c, 2] ->
-    (rows [c], d rows / d z [c, V] or None). Consumes z and t (computed in place)."""
+def _fused_chunk(z: torch.Tensor, t: torch.Tensor, coef: torch.Tensor, T: float, mix: float, grad: bool):
+    """fp32 draft logits z [c, V], target logits t [c, V] (both consumed: computed in place), row weights
+    coef [c, 1] -> (rows [c], coef * d rows / d z [c, V] or None). A CPU pays by the [c, V] pass: one
+    softmax is one, so the target's softmax is taken here rather than exp(t - lse) (two)."""
     value = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
     d = None
-    if mix > 0:
-        qT = torch.softmax(z / T, -1)
-        pT = (t / T).sub_(lse[:, :1]).exp_()
-        value += mix * (1.0 - torch.minimum(pT, qT).sum(-1))
-        if grad:  # -(mix / T) * (q m - q * sum q m), m = 1[q < p]
-            qm = qT * (qT < pT)
-            d = qT.mul_(qm.sum(-1, keepdim=True)).sub_(qm).mul_(mix / T)
-    if mix < 1:
+    if mix < 1:  # kd = -p1 . log q1, gradient q1 - p1
         log_q1 = torch.log_softmax(z, -1)
-        p1 = t.sub_(lse[:, 1:]).exp_()
-        value += (1.0 - mix) * -(p1 * log_q1).sum(-1)
-        if grad:  # (1 - mix) * (q1 - p1)
-            kd = log_q1.exp_().sub_(p1).mul_(1.0 - mix)
-            d = kd if d is None else d.add_(kd)
+        p1 = torch.softmax(t, -1)
+        value -= (1.0 - mix) * torch.bmm(p1[:, None], log_q1[:, :, None]).view(-1)
+        if grad:
+            d = log_q1.exp_().sub_(p1).mul_(coef * (1.0 - mix))
+        del p1, log_q1
+    if mix > 0:  # tv = 1 - sum min(p, q), gradient -(1/T) (q m - q * sum q m), m = 1[q < p]
+        qT = torch.softmax(z.mul_(1.0 / T), -1)
+        pT = torch.softmax(t.mul_(1.0 / T), -1)
+        value += mix * (1.0 - torch.minimum(pT, qT).sum(-1))
+        if grad:
+            qm = torch.where(qT < pT, qT, 0.0)
+            tv = torch.addcmul(qm, qT, qm.sum(-1, keepdim=True), value=-1.0)
+            d = tv.mul_(coef * (-mix / T)) if d is None else d.addcmul_(tv, coef, value=-mix / T)
     return value, d
 
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, teacher, index, teacher_lse, coef, temperature: float, mix: float, kernel: str):
+    def forward(ctx, logits, teacher, index, coef, temperature: float, mix: float, kernel: str):
         grad = ctx.needs_input_grad[0]
         if kernel == "triton":
             from dominospec.kernels.distill import distill_forward
 
-            rows, saved = distill_forward(logits, teacher, index, teacher_lse, coef, temperature, mix, grad)
+            lse = teacher_logsumexp(teacher, temperature)
+            rows, saved = distill_forward(logits, teacher, index, lse, coef, temperature, mix, grad)
         else:
             rows = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
             saved = torch.zeros_like(logits) if grad else None
@@ -157,12 +161,12 @@ class _FusedDistill(torch.autograd.Function):
             step = chunk_rows(logits)
             for a in range(0, live.numel(), step):
                 ids = live[a:a + step]
-                r = index[ids]
-                value, d = _fused_chunk(logits.index_select(0, ids).float(), teacher.index_select(0, r).float(),
-                                        teacher_lse[r], temperature, mix, grad)
+                value, d = _fused_chunk(logits.index_select(0, ids).float(),
+                                        teacher.index_select(0, index[ids]).float(), coef[ids, None],
+                                        temperature, mix, grad)
                 rows[ids] = value
                 if grad:
-                    saved[ids] = d.mul_(coef[ids, None]).to(saved.dtype)
+                    saved.index_copy_(0, ids, d.to(saved.dtype))
         ctx.saved = saved
         ctx.mark_non_differentiable(rows)
         return (rows * coef).sum(), rows
@@ -170,7 +174,7 @@ class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_rows):
         grad, ctx.saved = ctx.saved, None  # once: the gradient is scaled in place
-        return grad.mul_(grad_total), None, None, None, None, None, None, None
+        return grad.mul_(grad_total), None, None, None, None, None, None
 
 
 def fused_distill(logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tensor, coef: torch.Tensor,
@@ -185,8 +189,7 @@ def fused_distill(logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tens
     teacher = teacher.detach()
     if columns is not None:  # the loss vocabulary's columns, once per target row
         teacher = teacher.index_select(1, columns)
-    lse = teacher_logsumexp(teacher, temperature)
-    return _FusedDistill.apply(logits, teacher, index, lse, coef.float(), float(temperature), float(mix), kernel)
+    return _FusedDistill.apply(logits, teacher, index, coef.float(), float(temperature), float(mix), kernel)
 
 
 def _check(mix: float, temperature: float) -> None:
