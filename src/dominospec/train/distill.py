@@ -111,7 +111,7 @@ def distill_rows(logits: torch.Tensor, teacher: torch.Tensor, index: torch.Tenso
 
 def teacher_logsumexp(teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """The target's logits [R, V] -> [R, 2] fp32: (lse(t / T), lse(t)) of every target row, in fp32 row
-    chunks. p = exp(t / T - lse) then costs one exp per element where a slot reads its row."""
+    chunks, for the kernel: p = exp(t / T - lse) then costs one exp per element where a slot reads its row."""
     out = torch.empty(teacher.shape[0], 2, dtype=torch.float32, device=teacher.device)
     step = chunk_rows(teacher)
     for a in range(0, teacher.shape[0], step):
