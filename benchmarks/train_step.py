@@ -13,7 +13,8 @@ all see the same machine load:
     data       `train.loss_vocab: data`, chunked (a different objective: see docs/journal/2026-12-01-a-cheaper-cpu-training-step.md)
     sampled    `train.loss_vocab: sampled`: the step's labels + train.loss_negatives uniform negatives
     kd, tv     `train.loss: kd` / `tv` (train/distill.py, train.tv_mix, train.tv_temperature): the target's
-               whole distribution, full vocabulary; they need /o
+               whole distribution, full vocabulary, by train.distill_kernel (auto: one fused pass); they need /o
+    kd-rows, tv-rows   the same losses by `train.distill_kernel: rows` (the reference, recomputed in backward)
 
 A variant may carry `/o` (online: the target's forward runs in the step, timed as its own phase,
 and supervises the blocks with its own tokens, `train.labels: target`, as a GPU preset trains;
@@ -48,7 +49,8 @@ from common.cli import load_target, new_draft, parser, setup
 from common.record import device_name
 
 PHASES = ("target", "blocks", "backbone", "lm_head", "head", "loss", "backward", "optimizer")
-OBJECTIVES = ("reference", "full", "data", "sampled", "kd", "tv")
+OBJECTIVES = ("reference", "full", "data", "sampled", "kd", "tv", "kd-rows", "tv-rows")
+DISTILLING = ("kd", "tv", "kd-rows", "tv-rows")
 
 
 def train_sequences(params, limit: int) -> list[dict[str, torch.Tensor]]:
@@ -86,7 +88,7 @@ def parse_variant(name: str, params) -> tuple[str, int, int, int, bool, bool]:
         shape[opt[0]] = int(opt[1:])
     if objective not in OBJECTIVES:
         raise SystemExit(f"error: variant {name!r}: objective must be one of {', '.join(OBJECTIVES)}")
-    if objective in ("kd", "tv") and not online:
+    if objective in DISTILLING and not online:
         raise SystemExit(f"error: variant {name!r}: {objective} distils the target's logits: add /o")
     return objective, shape["b"], shape["a"], shape["l"], grouped, online
 
@@ -101,7 +103,8 @@ def build(params, target, layer_ids, vocab, objective="full", layers=None, ancho
     draft_p = dataclasses.replace(params.draft, num_layers=layers or params.draft.num_layers)
     train_p = dataclasses.replace(params.train, loss_vocab="sampled" if objective == "sampled" else "full",
                                   num_anchors=anchors or params.train.num_anchors, labels="target" if online else "data",
-                                  loss=objective if objective in ("kd", "tv") else "ce")
+                                  loss=objective.split("-")[0] if objective in DISTILLING else "ce",
+                                  distill_kernel="rows" if objective.endswith("-rows") else params.train.distill_kernel)
     draft = new_draft(params, target, draft_p)
     module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, train_p, layer_ids=layer_ids,
                             loss_vocab=vocab, online_target=target.model if online else None)
@@ -121,9 +124,6 @@ def reference_loss(base, final, labels, mask, weights, lam):
 
 def step(module, optimizer, batch, timer: Timer, generator, reference: bool = False) -> float:
     """One optimiser step of the train stage's objective, phase by phase -> loss."""
-    from functools import partial
-
-    from dominospec.train.distill import block_teacher_index, weighted_distill
     from dominospec.train.objective import domino_loss, make_blocks
     from dominospec.train.sampled_vocab import sample_vocabulary
 
@@ -171,12 +171,7 @@ def step(module, optimizer, batch, timer: Timer, generator, reference: bool = Fa
         if reference:
             loss = reference_loss(base, final, labels, mask, module.slot_weights, lam=0.5)
         else:
-            distill = None
-            if target_logits is not None:
-                distill = partial(weighted_distill, target_logits=target_logits,
-                                  index=block_teacher_index(blocks.positions, target_logits.shape[1]), label_mask=mask,
-                                  weights=module.slot_weights, temperature=hp.tv_temperature,
-                                  mix=0.0 if hp.loss == "kd" else hp.tv_mix)
+            distill = None if target_logits is None else module.distill_term(target_logits, blocks, mask)
             loss, _, _ = domino_loss(base, final, labels, mask, module.slot_weights, lam=0.5, distill=distill)
     with timer.phase("backward"):
         loss.backward()
@@ -238,8 +233,12 @@ def main() -> None:
                 "full": f"full vocabulary ({target.identity.vocab_size}), chunked CE",
                 "data": f"loss vocabulary ({vocab.numel()}), chunked CE",
                 "sampled": f"sampled ({params.train.loss_negatives} negatives + the step's labels), chunked CE",
-                "kd": "kd, the target's distribution (distill_rows, mix 0)",
-                "tv": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_rows"}[objective]
+                "kd": f"kd, the target's distribution (mix 0, distill_kernel {params.train.distill_kernel})",
+                "tv": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_kernel "
+                      f"{params.train.distill_kernel}",
+                "kd-rows": "kd, the target's distribution (mix 0, distill_kernel rows)",
+                "tv-rows": f"tv (mix {params.train.tv_mix}, T {params.train.tv_temperature}) + kd, distill_kernel rows",
+                }[objective]
         blocks = timers[v].blocks / args.steps  # a step's real blocks, <= bs x anchors
         print(f"| {name} | {'online' if online else 'random'} | {bs} | {anchors} | {layers} | {'by length' if grouped else 'random'} | " + " | ".join(f"{ms[p]:.0f}" for p in PHASES)
               + f" | {total:.0f} | {blocks / total * 1e3:.2f} |")

@@ -11,6 +11,11 @@ random tokens with lengths drawn like the preset's data (a first user turn and a
     python benchmarks/train_step_gpu.py --params params/smollm2-h200.yaml --steps 40 \
         --variants "preset;batch 16:train.batch_size=16" [--profile] [--out train_step_gpu.json]
 
+The distillation loss's cost (`train.distill_kernel`, docs/training.md), the preset's loss by its fused
+kernel against the same loss by rows, against ce and the old preset, in one process:
+
+    --variants "tv;tv rows:train.distill_kernel=rows;kd:train.loss=kd;ce:train.loss=ce;old:train.batch_size=32,train.num_anchors=128,train.loss=ce;tv b4096:distill_block=4096,distill_warps=8"
+
 A variant is `name:key=value,key=value` over params (dotted keys) and the knobs `chunk_rows`,
 `cudnn` and `pad` (see `knobs`), `;`-separated. After the
 timings, `--profile` runs a few steps of the first variant under torch.profiler and prints the
@@ -31,16 +36,18 @@ from common.record import environment, write_json
 from common.train_loop import Sequences, train_steps
 
 
-KNOBS = ("chunk_rows", "cudnn", "pad")  # variant keys that are not params (see `knobs`)
+KNOBS = ("chunk_rows", "cudnn", "pad", "distill_block", "distill_warps")  # variant keys that are not params (see `knobs`)
 
 
 @contextmanager
 def knobs(overrides: dict[str, str]) -> Iterator[Callable]:
     """The train stage's numerics, changed by the variant's knobs -> the collate function to use.
 
-    chunk_rows=N   CE chunks of N rows (default: `chunked_ce.chunk_rows`, by device)
-    cudnn=on       keep cuDNN attention (the stage turns it off: per-shape plans)
-    pad=N          pad every batch's length to a multiple of N (few shapes: cuDNN plans reused)
+    chunk_rows=N       CE chunks of N rows (default: `chunked_ce.chunk_rows`, by device)
+    cudnn=on           keep cuDNN attention (the stage turns it off: per-shape plans)
+    pad=N              pad every batch's length to a multiple of N (few shapes: cuDNN plans reused)
+    distill_block=N    the distillation kernel's BLOCK_V (kernels/distill.py; loss kd / tv on CUDA)
+    distill_warps=N    its num_warps
     """
     import dominospec.train.chunked_ce as chunked_ce
     from dominospec.train.datamodule import collate
@@ -50,6 +57,7 @@ def knobs(overrides: dict[str, str]) -> Iterator[Callable]:
     saved = chunked_ce.chunk_rows
     if "chunk_rows" in overrides:
         chunked_ce.chunk_rows = lambda logits: int(overrides["chunk_rows"])
+    distill_kernel = distill_launch(overrides)
     keep_cudnn = overrides.get("cudnn") == "on"
     multiple = int(overrides.get("pad", 1))
 
@@ -67,6 +75,21 @@ def knobs(overrides: dict[str, str]) -> Iterator[Callable]:
             yield padded
     finally:
         chunked_ce.chunk_rows = saved
+        if distill_kernel is not None:
+            distill_kernel.BLOCK_V, distill_kernel.NUM_WARPS = distill_kernel.saved
+
+
+def distill_launch(overrides: dict[str, str]):
+    """The knobs distill_block / distill_warps set on kernels/distill.py -> that module (its old values in
+    `.saved`), or None when the variant sets neither (or triton is missing)."""
+    if not {"distill_block", "distill_warps"} & overrides.keys():
+        return None
+    import dominospec.kernels.distill as kernel
+
+    kernel.saved = (kernel.BLOCK_V, kernel.NUM_WARPS)
+    kernel.BLOCK_V = int(overrides.get("distill_block", kernel.BLOCK_V))
+    kernel.NUM_WARPS = int(overrides.get("distill_warps", kernel.NUM_WARPS))
+    return kernel
 
 
 def run_variant(params, target, steps: int, skip: int, overrides: dict[str, str]) -> dict:

@@ -19,6 +19,7 @@ The regenerate stage's static decoder (`regenerate.attention: rows`):
 
 Training:
 - cross_entropy: fused per-row cross-entropy over a wide vocabulary (`train.ce_kernel`).
+- distill: the acceptance + kd loss on the target's distribution, value and gradient in one launch (`train.distill_kernel`).
 
 Imports torch and triton only (tests/test_layout.py). On a machine without CUDA, set
 TRITON_INTERPRET=1 before triton is imported.

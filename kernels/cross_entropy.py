@@ -100,10 +100,11 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def launch_config(logits: torch.Tensor) -> dict:
-    """-> the kernels' BLOCK_V / num_warps for these logits (GPU constants, or the interpreter's)."""
+def launch_config(logits: torch.Tensor, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> dict:
+    """-> a row kernel's BLOCK_V / num_warps for these logits (the GPU's, default these kernels' constants,
+    or the interpreter's)."""
     if logits.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"BLOCK_V": BLOCK_V, "num_warps": NUM_WARPS}
+        return {"BLOCK_V": block_v, "num_warps": num_warps}
     return {"BLOCK_V": INTERPRET_BLOCK_V}
 
 

@@ -24,6 +24,16 @@ Recipes (600 steps x 4 sequences x 32 anchors on 250 conversations is the CPU de
 Every row reports the val walk's τ greedy and sampled at --temperature (train.val_walk_temperature):
 the loss and the weighting are chosen by both (docs/training.md). `--steps N` caps every recipe's
 steps (a short comparison).
+
+Variants of a params file instead of the fixed recipes, each trained for the same wall time (its
+steps sized by a probe of --probe-steps, so a dearer loss trains fewer steps, as it would in a
+budgeted run), e.g. the loss on a GPU preset:
+
+    python benchmarks/studies/train_recipes.py --params params/smollm2-h200.yaml --seconds 300 \
+        --variants "ce:train.loss=ce;kd:train.loss=kd;tv:train.loss=tv;tv-only:train.loss=tv,train.tv_mix=1"
+
+A variant is `name:section.key=value,...` (`;`-separated) over --params; batch, anchors, lr and the
+loss come from its params, the features are online, --conversations caps the train sequences.
 """
 
 from __future__ import annotations
@@ -76,8 +86,9 @@ def init_from_target(setup: Any) -> None:
 
 
 def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str,
-               temperature: float = 0.7) -> tuple[dict[str, Any], Any, float]:
-    """-> (validation summary, trained setup, seconds of fit); the val walk also sampled at `temperature`."""
+               temperature: float = 0.7, validate: bool = True) -> tuple[dict[str, Any], Any, float]:
+    """-> (validation summary, trained setup, seconds of fit); the val walk also sampled at `temperature`;
+    without `validate` (a probe that times the steps) no validation runs and the summary is empty."""
     import lightning as L
 
     from dominospec.precision import resolve_precision
@@ -95,11 +106,25 @@ def train_once(params: Any, steps: int, recipe: dict[str, Any], accelerator: str
     precision = resolve_precision(train.precision, accelerator)
     trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator=accelerator, devices=1, precision=precision,
                         gradient_clip_val=train.grad_clip, val_check_interval=steps, check_val_every_n_epoch=None,
-                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        use_distributed_sampler=False, enable_model_summary=False)
+                        num_sanity_val_steps=0, limit_val_batches=1.0 if validate else 0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
+                        enable_model_summary=False)
     started = time.perf_counter()
     trainer.fit(setup.module, datamodule=setup.datamodule)
     return setup.module.final_validation(), setup, time.perf_counter() - started
+
+
+def variant_recipes(path: str, spec: str, conversations: int | None) -> list[tuple[str, Any, dict[str, Any]]]:
+    """--variants "name:key=value,...;..." over the params at `path` -> [(name, params, recipe)], the
+    recipe (steps sized later) taking batch, anchors and lr from the variant's params."""
+    rows = []
+    for part in (p for p in spec.split(";") if p.strip()):
+        name, _, assignments = part.partition(":")
+        params = cli.params_with(path, [a for a in assignments.split(",") if a])
+        t = params.train
+        rows.append((name.strip(), params, dict(max_steps=None, batch_size=t.batch_size, num_anchors=t.num_anchors,
+                                                 lr=t.lr, limit=conversations, train={})))
+    return rows
 
 
 def main() -> None:
@@ -110,21 +135,31 @@ def main() -> None:
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--temperature", type=float, default=0.7, help="the sampled val walk's T")
     p.add_argument("--steps", type=int, help="cap every recipe's steps (a short comparison)")
+    p.add_argument("--variants", help="name:section.key=value,...;... over --params, instead of --recipes")
+    p.add_argument("--seconds", type=float, help="train every recipe / variant for this wall time (a probe sizes its steps)")
+    p.add_argument("--probe-steps", type=int, default=40, help="steps of the probe that sizes a timed run")
+    p.add_argument("--conversations", type=int, help="--variants: at most this many train sequences")
     args = p.parse_args()
     torch.set_float32_matmul_precision("high")
     params = cli.setup(args)
+    if args.variants:
+        runs = variant_recipes(args.params, args.variants, args.conversations)
+    else:
+        runs = [(name, params, RECIPES[name]) for name in args.recipes.split(",")]
     rows = []
-    for name in args.recipes.split(","):
-        recipe = RECIPES[name]
+    for name, params, recipe in runs:
         steps = recipe["max_steps"]
-        if steps is None:  # size the run to the budget from a short probe
-            _, _, probe_s = train_once(params, 40, recipe, args.accelerator, args.temperature)
-            steps = int(min(20_000, args.long_seconds / (probe_s / 40)))
+        budget = args.seconds or (args.long_seconds if steps is None else None)
+        if budget:  # size the run to the budget from a short probe
+            _, _, probe_s = train_once(params, args.probe_steps, recipe, args.accelerator, args.temperature,
+                                       validate=False)
+            steps = max(1, int(min(20_000, budget / (probe_s / args.probe_steps))))
         steps = min(steps, args.steps or steps)
         summary, setup, seconds = train_once(params, steps, recipe, args.accelerator, args.temperature)
         sampled = summary.get("walk_sampled", {})
         row = dict(recipe=name, steps=steps, seqs_x_anchors=f"{recipe['batch_size']}x{recipe['num_anchors']}",
                    lr=recipe["lr"], conversations=recipe["limit"], fit_s=round(seconds, 1),
+                   loss=setup.module.hp.loss,
                    tau=round(summary["acceptance_length"], 3), tau_head_off=round(summary["acceptance_length_base"], 3),
                    accuracy_pos1_4=[round(a, 3) for a in summary["accuracy_by_position"][:4]],
                    val_loss=round(summary["loss"], 3), walk=round(summary["walk"]["acceptance_length"], 3),

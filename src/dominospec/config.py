@@ -178,6 +178,7 @@ class TrainParams:
     loss_vocab: Literal["full", "data", "sampled"]  # data: only tokens the train split supervises; sampled: the step's labels + loss_negatives random tokens (log-corrected)
     loss_negatives: int  # loss_vocab: sampled: uniform negatives per step (>= 1; >= V means the full softmax)
     ce_kernel: Literal["auto", "torch", "triton"]  # the loss's cross-entropy: chunked torch ops, or one fused Triton kernel (dominospec.kernels.cross_entropy); auto = triton on CUDA
+    distill_kernel: Literal["auto", "rows", "torch", "triton"]  # loss kd / tv: rows (the reference: recomputed in backward) | torch (value and gradient in one pass) | triton (dominospec.kernels.distill); auto = triton on CUDA, torch elsewhere
     val_every_steps: int
     val_max_sequences: int
     val_walk_tokens: Optional[int]  # the val walk covers each reply's first n tokens (evaluate decodes evaluate.max_new_tokens); null = whole replies

@@ -97,8 +97,8 @@ def test_marks_passed_are_walked_once():
 
 
 def test_the_clock_keys_do_not_restart_a_run():
-    """A slice may change when it saves and what it logs: the run's fingerprint (what resumes) stays;
-    a change of the loss does not."""
+    """A slice may change when it saves and what it logs, or how the loss is computed: the run's
+    fingerprint (what resumes) stays; a change of the loss does not."""
     import dataclasses
 
     from dominospec.train.stage import run_fingerprint
@@ -106,5 +106,7 @@ def test_the_clock_keys_do_not_restart_a_run():
     params = load_params(REPO / "params.yaml")
     clock = dataclasses.replace(params.train, checkpoint_minutes=2.0, walk_minutes=[5.0, 10.0], val_walk_temperature=0.7)
     loss = dataclasses.replace(params.train, loss="tv")
+    kernels = dataclasses.replace(params.train, ce_kernel="torch", distill_kernel="rows")  # the same loss, computed otherwise
     assert run_fingerprint(dataclasses.replace(params, train=clock), "d") == run_fingerprint(params, "d")
+    assert run_fingerprint(dataclasses.replace(params, train=kernels), "d") == run_fingerprint(params, "d")
     assert run_fingerprint(dataclasses.replace(params, train=loss), "d") != run_fingerprint(params, "d")

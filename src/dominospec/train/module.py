@@ -31,7 +31,7 @@ from dominospec.train.objective import (
     target_label_ids,
     vocab_index,
 )
-from dominospec.train.distill import block_teacher_index, weighted_distill
+from dominospec.train.distill import block_teacher_index, distill_kernel, weighted_distill
 
 
 class BlockAccuracy:
@@ -95,6 +95,7 @@ class DraftLitModule(L.LightningModule):
         self.walks = empty_walks()
         self.last_summary: dict[str, Any] = {}
         self._row_ce: Any = None  # train.ce_kernel, resolved on the device of the first step
+        self._distill_kernel: Optional[str] = None  # train.distill_kernel, likewise
 
     # ---- frozen target parts -------------------------------------------------------------------
 
@@ -169,6 +170,20 @@ class DraftLitModule(L.LightningModule):
             self._row_ce = row_cross_entropy(self.hp.ce_kernel, self.device)
         return self._row_ce
 
+    def distill_term(self, target_logits: torch.Tensor, blocks, label_mask: torch.Tensor,
+                     columns: Optional[torch.Tensor] = None):
+        """The target's logits [B, T, V], this step's blocks, label_mask [B, N, Bk], the loss vocabulary's
+        ids [V'] (None: all) -> the loss term on the target's distribution (train.loss kd = mix 0, or
+        tv), logits [B, N, Bk, V'] -> scalar; each slot reads the target's row a + j (train/distill.py),
+        by train.distill_kernel on this module's device."""
+        if self._distill_kernel is None:
+            self._distill_kernel = distill_kernel(self.hp.distill_kernel, self.device)
+        index = block_teacher_index(blocks.positions, target_logits.shape[1])
+        mix = 0.0 if self.hp.loss == "kd" else self.hp.tv_mix
+        return partial(weighted_distill, target_logits=target_logits, index=index, label_mask=label_mask,
+                       weights=self.slot_weights, temperature=self.hp.tv_temperature, mix=mix, columns=columns,
+                       kernel=self._distill_kernel)
+
     def _train_blocks(self, batch: dict[str, torch.Tensor], target_next: Optional[torch.Tensor]):
         """This step's blocks. train.labels: data -> labels are the data's tokens on loss-masked
         positions; target -> every real position after the first is supervised by the target's
@@ -210,12 +225,7 @@ class DraftLitModule(L.LightningModule):
             base, final = draft_block_logits(self.draft, self.embed, self.loss_lm_head, feats, blocks, vocab_ids=vocab)
             columns = self.loss_vocab_index[labels]
             labels, label_mask = columns.clamp(min=0), label_mask & (columns >= 0)
-        distill = None
-        if target_logits is not None:  # kd = mix 0; each slot reads the target's row a + j (train/distill.py)
-            index = block_teacher_index(blocks.positions, target_logits.shape[1])
-            mix = 0.0 if self.hp.loss == "kd" else self.hp.tv_mix
-            distill = partial(weighted_distill, target_logits=target_logits, index=index, label_mask=label_mask,
-                              weights=self.slot_weights, temperature=self.hp.tv_temperature, mix=mix, columns=vocab)
+        distill = None if target_logits is None else self.distill_term(target_logits, blocks, label_mask, vocab)
         lam = self.curriculum()
         loss, loss_base, loss_final = domino_loss(base, final, labels, label_mask, self.slot_weights, lam,
                                                     ce=self.row_ce(), distill=distill)

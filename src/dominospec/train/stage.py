@@ -36,7 +36,8 @@ from dominospec.train.timed import TimedCheckpoint, WalkClock
 def run_fingerprint(params: Params, data_fingerprint: str) -> str:
     """Hash of everything that makes a checkpoint resumable: draft, train params, data, target, code."""
     keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
-    keys.pop("train.ce_kernel", None)  # the same losses either way: a run may resume on another device
+    for kernel_key in ("train.ce_kernel", "train.distill_kernel"):
+        keys.pop(kernel_key, None)  # the same losses either way: a run may resume on another device
     for clock_key in ("train.checkpoint_minutes", "train.walk_minutes", "train.val_walk_temperature"):
         keys.pop(clock_key, None)  # when to save and what to log: the same weights, a slice may change them
     blob = json.dumps({"params": keys, "data": data_fingerprint, "code": code_digest()}, sort_keys=True, default=str)
