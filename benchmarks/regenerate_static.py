@@ -51,7 +51,6 @@ import torch
 from dominospec.config import load_params
 from dominospec.precision import resolve_dtype
 from dominospec.data.chat import render_text
-from dominospec.data.dataset import read_dataset
 from dominospec.engine.packed import pack_linears
 from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.regenerate.batch_forward import ATTENTIONS, BatchForward
@@ -59,7 +58,6 @@ from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
 from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 from dominospec.regenerate.replies import decode_policy, rewrite_conversations
 from dominospec.regenerate.static_decoder import COLUMN_STEP, REFILL, ReplyJob, StaticDecoder
-from dominospec.regenerate.stage import first_turns
 from dominospec.target import DTYPES, Target, TargetIdentity, load_target, pick_device, resolve_source
 
 from common.random_models import TARGET_SHAPES, as_target, random_model, shape_config, word_level_tokenizer
@@ -74,6 +72,9 @@ NEVER = 1 << 30  # loop_repeats no reply reaches: the loop check runs, nothing i
 def first_turn_conversations(args: argparse.Namespace, params, tokenizer) -> list[list[dict]]:
     """--conversations (JSON Lines, .xz allowed) or the prepared train split -> the first --prompts first turns
     whose prompt leaves room for a reply before prepare.max_length, in order."""
+    from dominospec.data.dataset import read_dataset  # datasets: not needed by --random-shape
+    from dominospec.regenerate.stage import first_turns
+
     if args.conversations:
         opener = lzma.open if args.conversations.endswith(".xz") else open
         with opener(args.conversations, "rt", encoding="utf-8") as f:
