@@ -56,7 +56,7 @@ def test_rows_and_gradients_match_the_reference(V, mix, T, dtype):
 
 def test_strided_rows_and_no_gradient_when_none_is_wanted():
     z, t, index, coef = make(6, 2500, 4, torch.float32, seed=3)
-    wide = torch.zeros(6, 2600)
+    wide = torch.zeros(6, 2600, device=DEVICE)
     wide[:, :2500] = z
     lse = D.teacher_logsumexp(t, 0.7)
     rows, grad = distill_forward(wide[:, :2500], t, index, lse, coef, 0.7, 0.5, grad=False)
