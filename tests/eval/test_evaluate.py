@@ -87,8 +87,10 @@ def setup(tmp_path_factory):
         raw["paths"][key] = str(root / key)
     raw["target"].update(model=str(target_dir), gguf_file=None, device="cpu", dtype="float32")
     # both comparisons on, as in the GPU presets (the CPU default turns the sampled pass off for time; tested below)
+    # K fixed at B - 1: what the drafts accept is then the draft's alone (auto-K's follows the host's load;
+    # it has its own test below)
     raw["evaluate"].update(suites=["sharegpt"], max_prompts=4, max_new_tokens=12, num_threads=1,
-                           sampled_temperature=0.7, chain_comparison=True)
+                           sampled_temperature=0.7, chain_comparison=True, num_draft=None)
     raw["mlflow"].update(tracking_uri=f"sqlite:///{root}/mlflow.db", artifact_location=str(root / "mlartifacts"))
     params_path = root / "params.yaml"
     params_path.write_text(yaml.safe_dump(raw))
