@@ -184,6 +184,7 @@ class TrainParams:
     val_walk_tokens: Optional[int]  # the val walk covers each reply's first n tokens (evaluate decodes evaluate.max_new_tokens); null = whole replies
     val_walk_temperature: Optional[float]  # the sampled val walk's T (expected τ under rejection sampling at T); null = greedy walk only
     checkpoint_every_steps: int
+    max_minutes: Optional[float]  # stop at this much training wall time (every resumed slice counted), before max_steps; null = steps only
     checkpoint_minutes: Optional[float]  # also save last.ckpt every this many minutes of training wall time; null = off
     walk_minutes: list[float]  # the val walk (greedy and sampled) at these minutes of training wall time -> MLflow, metrics/train_walk.json
     log_every_steps: int

@@ -1,4 +1,4 @@
-"""Training by the clock (train/timed.py): last.ckpt every train.checkpoint_minutes, so a process
+"""Training by the clock (train/timed.py): a stop at train.max_minutes; last.ckpt every train.checkpoint_minutes, so a process
 killed outright (SIGKILL, a slice's time limit) resumes from it and ends with the weights of an
 uninterrupted run; the val walk at train.walk_minutes lands in metrics/train_walk.json, the DVC
 plot's CSV and MLflow, greedy and sampled."""
@@ -82,6 +82,22 @@ def test_the_walk_at_set_minutes_is_logged_greedy_and_sampled(tiny_cache, tmp_pa
     assert mlflow_metric(tmp_path, "val/walk_acceptance_length_sampled")
 
 
+def test_the_time_budget_ends_training_with_its_final_outputs(tiny_cache, tmp_path):
+    """train.max_minutes stops a run long before max_steps, and the stage still writes what a finished
+    run writes (the final draft, train.json with the steps done)."""
+    train(load_params(run_params(tiny_cache, tmp_path, max_steps=NEVER, val_every_steps=NEVER, max_minutes=0.002)))
+    steps = json.loads((tmp_path / "metrics" / "train.json").read_text())["steps"]
+    assert 1 <= steps < NEVER
+    assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+def test_a_time_budget_that_is_not_positive_is_refused(tiny_cache, tmp_path):
+    from dominospec.errors import UserError
+
+    with pytest.raises(UserError, match="train.max_minutes must be > 0"):
+        train(load_params(run_params(tiny_cache, tmp_path, max_minutes=0)))
+
+
 def test_without_marks_the_files_hold_no_rows(tiny_cache, tmp_path):
     train(load_params(run_params(tiny_cache, tmp_path, max_steps=2, val_every_steps=2)))
     assert json.loads((tmp_path / "metrics" / "train_walk.json").read_text()) == {"rows": []}
@@ -104,7 +120,8 @@ def test_the_clock_keys_do_not_restart_a_run():
     from dominospec.train.stage import run_fingerprint
 
     params = load_params(REPO / "params.yaml")
-    clock = dataclasses.replace(params.train, checkpoint_minutes=2.0, walk_minutes=[5.0, 10.0], val_walk_temperature=0.7)
+    clock = dataclasses.replace(params.train, checkpoint_minutes=2.0, walk_minutes=[5.0, 10.0], val_walk_temperature=0.7,
+                                max_minutes=12.0)
     loss = dataclasses.replace(params.train, loss="tv")
     kernels = dataclasses.replace(params.train, ce_kernel="torch", distill_kernel="rows")  # the same loss, computed otherwise
     assert run_fingerprint(dataclasses.replace(params, train=clock), "d") == run_fingerprint(params, "d")

@@ -116,6 +116,8 @@ def build_training(params: Params, train_limit: Optional[int] = None) -> Trainin
     if hp.val_walk_temperature is not None and hp.val_walk_temperature <= 0:
         raise UserError(f"train.val_walk_temperature must be > 0 or null (the greedy walk always runs), "
                         f"got {hp.val_walk_temperature}")
+    if hp.max_minutes is not None and hp.max_minutes <= 0:
+        raise UserError(f"train.max_minutes must be > 0 or null, got {hp.max_minutes}")
     if hp.checkpoint_minutes is not None and hp.checkpoint_minutes <= 0:
         raise UserError(f"train.checkpoint_minutes must be > 0 or null, got {hp.checkpoint_minutes}")
     if any(m <= 0 for m in hp.walk_minutes) or list(hp.walk_minutes) != sorted(set(hp.walk_minutes)):

@@ -30,7 +30,7 @@ from dominospec.precision import resolve_precision
 from dominospec.target import float32_matmul
 from dominospec.train.curves import CurveRecorder, write_train_outputs
 from dominospec.train.preempt import PreemptionCheckpoint, preemptible, raise_if_preempted
-from dominospec.train.timed import TimedCheckpoint, WalkClock
+from dominospec.train.timed import TimeBudget, TimedCheckpoint, WalkClock
 
 
 def run_fingerprint(params: Params, data_fingerprint: str) -> str:
@@ -38,7 +38,8 @@ def run_fingerprint(params: Params, data_fingerprint: str) -> str:
     keys = {k: v for k, v in as_flat_dict(params).items() if k.split(".")[0] in ("draft", "train", "target")}
     for kernel_key in ("train.ce_kernel", "train.distill_kernel"):
         keys.pop(kernel_key, None)  # the same losses either way: a run may resume on another device
-    for clock_key in ("train.checkpoint_minutes", "train.walk_minutes", "train.val_walk_temperature"):
+    for clock_key in ("train.checkpoint_minutes", "train.walk_minutes", "train.val_walk_temperature",
+                      "train.max_minutes"):
         keys.pop(clock_key, None)  # when to save and what to log: the same weights, a slice may change them
     blob = json.dumps({"params": keys, "data": data_fingerprint, "code": code_digest()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -121,6 +122,7 @@ def _fit(params: Params, extra_callbacks: list[Any]) -> None:
 
     curves = CurveRecorder()
     clock = [TimedCheckpoint(ckpt_dir, params.train.checkpoint_minutes)] if params.train.checkpoint_minutes else []
+    clock += [TimeBudget(params.train.max_minutes, curves)] if params.train.max_minutes else []
     walk_clock = WalkClock(list(params.train.walk_minutes), curves, Path(params.paths.metrics), Path(params.paths.plots))
     checkpoints = ModelCheckpoint(
         dirpath=ckpt_dir,

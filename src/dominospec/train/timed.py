@@ -1,4 +1,4 @@
-"""What training does by the clock: a checkpoint every few minutes, the val walk at set minutes.
+"""What training does by the clock: a checkpoint every few minutes, the val walk at set minutes, a stop.
 
 A GPU run is driven in slices of <= 10 minutes (benchmarks/gpu_recipe.py): a slice killed by its
 time limit resumes from last.ckpt, so what it loses is the work since the last save. Steps make a
@@ -52,6 +52,20 @@ class TimedCheckpoint(Checkpoint):
         if self._last is not None and now - self._last >= self.seconds:
             save_last(trainer, self.ckpt_dir, reason=f"{self.seconds / 60:g} minutes")
             self._last = time.perf_counter()
+
+
+class TimeBudget(L.Callback):
+    """Ends training once its wall time (CurveRecorder's clock, continued by a resumed run) reaches
+    `minutes`: the run finishes as at max_steps (final outputs written); the LR stays where the step
+    schedule had it. Every rank stops at the same step (the decision is reduced)."""
+
+    def __init__(self, minutes: float, curves: CurveRecorder) -> None:
+        self.seconds, self.curves = 60.0 * minutes, curves
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        spent = self.curves.elapsed() >= self.seconds
+        if trainer.strategy.reduce_boolean_decision(spent, all=False):
+            trainer.should_stop = True
 
 
 class WalkClock(L.Callback):
@@ -120,4 +134,4 @@ class WalkClock(L.Callback):
         self.rows = list(state_dict.get("rows", []))
 
 
-__all__ = ["TimedCheckpoint", "WalkClock", "WALK_COLUMNS"]
+__all__ = ["TimeBudget", "TimedCheckpoint", "WalkClock", "WALK_COLUMNS"]
