@@ -178,7 +178,7 @@ def main() -> None:
     print("| variant | overrides | step ms | blocks/step | blocks/s | peak GiB |\n|---|---|---|---|---|---|")
     for r in rows:
         over = ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(preset)"
-        print(f"| {r['variant']} | {over} | {r['step_ms']:.1f} | {r['blocks_per_step']} | "
+        print(f"| {r['variant']} | {over} | {r['step_ms']:.1f} | {r['blocks_per_step']:.0f} | "
               f"{r['blocks_per_s']:.0f} | {r['peak_gib']:.1f} |")
 
 

@@ -34,10 +34,14 @@ class Sequences(torch.utils.data.Dataset):
 
 
 class StepClock:
-    """Lightning callback: wall time of every training step after the first `skip`, device-synced."""
+    """Lightning callback: wall time of every training step after the first `skip`, device-synced, and
+    the blocks each step trained: min(num_anchors, valid anchors) a sequence (a short reply has fewer
+    anchors than num_anchors, so batch x num_anchors overcounts)."""
 
-    def __init__(self, skip: int):
+    def __init__(self, skip: int, num_anchors: int, block_size: int):
         import lightning as L
+
+        from dominospec.train.objective import valid_anchors
 
         clock = self
 
@@ -45,19 +49,26 @@ class StepClock:
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 torch.cuda.synchronize() if torch.cuda.is_available() else None
                 clock.times.append(time.perf_counter())
+                clock.blocks.append(sum(min(num_anchors, valid_anchors(row, block_size).numel())
+                                        for row in batch["loss_mask"]))
 
-        self.skip, self.times, self.callback = skip, [], _Callback()
+        self.skip, self.times, self.blocks, self.callback = skip, [], [], _Callback()
 
     def seconds_per_step(self) -> float:
         t = self.times[self.skip:]
         return (t[-1] - t[0]) / max(1, len(t) - 1)
+
+    def blocks_per_step(self) -> float:
+        """Mean blocks of the timed steps (the steps after the first timed one: the time between them)."""
+        b = self.blocks[self.skip + 1:] or self.blocks[-1:]
+        return sum(b) / len(b)
 
 
 def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Optional[Callable] = None,
                 data: Optional[Any] = None) -> dict:
     """The train stage's own loop (`DraftLitModule` under `lightning.Trainer`: params.train's precision,
     AdamW, clipping; online target features) for `steps` steps of params.train.batch_size `Sequences`
-    (or `data`) -> {step_ms, blocks_per_step, blocks_per_s, steps, wall_s, peak_gib, module}; the first
+    (or `data`) -> {step_ms, blocks_per_step (trained, by StepClock), blocks_per_s, steps, wall_s, peak_gib, module}; the first
     `skip` steps untimed. `collate`: the batch builder (default: the stage's)."""
     import lightning as L
 
@@ -70,7 +81,7 @@ def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Option
     module = DraftLitModule(draft, target.embed_tokens.weight, target.lm_head.weight, params.train,
                             online_target=target.model, layer_ids=list(draft.config.target_layer_ids))
     data = data if data is not None else Sequences(512, target.identity.vocab_size)
-    clock = StepClock(skip)
+    clock = StepClock(skip, params.train.num_anchors, params.draft.block_size)
     trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="auto", devices=1,
                         precision=resolve_precision(params.train.precision, params.train.accelerator), gradient_clip_val=params.train.grad_clip,
                         log_every_n_steps=params.train.log_every_steps, logger=False,
@@ -83,7 +94,7 @@ def train_steps(params: Any, target: Any, steps: int, skip: int, collate: Option
     trainer.fit(module, train_dataloaders=loader)
     wall = time.perf_counter() - start
     step_s = clock.seconds_per_step()
-    blocks = params.train.batch_size * params.train.num_anchors
+    blocks = clock.blocks_per_step()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     return {"step_ms": step_s * 1e3, "blocks_per_step": blocks, "blocks_per_s": blocks / step_s,
             "steps": steps, "wall_s": wall, "peak_gib": peak, "module": module}

@@ -49,6 +49,7 @@ def test_anchors_are_valid_sorted_distinct_and_redrawn():
     assert len(set(draws)) > 100
     assert O.sample_anchors(loss_mask, 100, Bk, g).tolist() == sorted(valid)
     assert O.sample_anchors(torch.zeros(T, dtype=torch.bool), 4, Bk, g).numel() == 0
+    assert O.valid_anchors(loss_mask, Bk).tolist() == sorted(valid)  # what a benchmark counts as blocks trained
 
 
 def test_block_attention_mask_by_hand():

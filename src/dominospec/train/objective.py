@@ -37,15 +37,20 @@ def sample_anchors(
     """loss_mask [T] bool -> anchors [N] sorted, N = min(num_anchors, #valid), drawn uniformly
     without replacement. Valid: loss_mask[a], a + 1 < T, and at least one supervised label among
     x[a+1 .. a+block_size] (so every block trains something)."""
+    valid = valid_anchors(loss_mask, block_size)
+    n = min(num_anchors, valid.numel())
+    pick = torch.randperm(valid.numel(), generator=generator)[:n]
+    return valid[pick].sort().values.to(loss_mask.device)
+
+
+def valid_anchors(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """loss_mask [T] bool -> the positions a block may start at [n] (sample_anchors' rule), on the CPU."""
     T = loss_mask.shape[0]
     mask = loss_mask.bool().cpu()
     # supervised[a] = any(loss_mask[a+1 : a+1+block_size]); padded so windows past T see False.
     ahead = F.pad(mask[1:].float(), (0, block_size))  # [T - 1 + Bk]
     supervised = ahead.unfold(0, block_size, 1)[:T].amax(dim=-1) > 0  # [T]
-    valid = (mask & supervised).nonzero().flatten()  # implies a + 1 < T
-    n = min(num_anchors, valid.numel())
-    pick = torch.randperm(valid.numel(), generator=generator)[:n]
-    return valid[pick].sort().values.to(loss_mask.device)
+    return (mask & supervised).nonzero().flatten()  # implies a + 1 < T
 
 
 def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
