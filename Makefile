@@ -11,6 +11,9 @@ TORCH_INDEX ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 PARAMS ?= params.yaml
+# make test's worker processes (pytest-xdist; each test runs one torch thread, so one worker a core);
+# the tests of a file stay in one worker (--dist loadfile): its module fixtures are built once.
+TEST_WORKERS ?= 2
 export MLFLOW_TRACKING_URI ?= sqlite:///mlflow.db
 export PYTHONUNBUFFERED := 1
 
@@ -59,11 +62,11 @@ repro: setup
 	source $(VENV)/bin/activate && dvc repro
 
 test: setup sglang-ref
-	@$(PY) -c "import torch; from dominospec.precision import bf16_is_fast; print('CPU:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', bf16_is_fast('cpu'), '| threads:', torch.get_num_threads())"
-	$(PY) -m pytest tests -q --durations=30
+	@$(PY) -c "import torch; from dominospec.precision import bf16_is_fast; print('CPU:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', bf16_is_fast('cpu'), '| threads:', torch.get_num_threads(), '| test workers: $(TEST_WORKERS)')"
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test-fast: setup sglang-ref
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 serve: setup
 	$(VENV)/bin/dominospec serve --params $(PARAMS) --host $(HOST) --port $(PORT)
