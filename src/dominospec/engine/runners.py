@@ -18,10 +18,10 @@ import torch
 from dominospec.engine.decoding import Decoding
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
-from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.lean_kv import LeanForward
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
-from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
 from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.target import Target
 
@@ -96,10 +96,8 @@ class EngineRunners:
 
     def build(self, capacity: int) -> tuple[TargetRunner, Optional[DraftRunner]]:
         """The static runners of one capacity bucket."""
-        if self.lean is not None:
-            kv = LeanTargetKV(self.lean, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
-        else:
-            kv = StaticTargetKV(self.model, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
+        forward = LeanForward(self.lean) if self.lean is not None else HFForward(self.model)
+        kv = StaticTargetKV(forward, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
         if self.draft is None:
             return kv, None
         runner, backbone = (LeanDraftBlock, self.lean_draft) if self.lean_draft else (StaticDraftBlock, self.draft)
