@@ -51,6 +51,11 @@ class Proposer:
         self.lookup_acceptance: Optional[AcceptanceModel] = (AcceptanceModel(self.lookup_k_max, self.window)
                                                               if self.lookup_k_max else None)
 
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        """-> the round's Plan: a lookup alone when it replaces the draft, else the draft's (`plan_draft`)."""
+        lookup, fork = self.lookup(state, room, greedy)
+        return Plan(lookup=lookup) if lookup and not fork else self.plan_draft(lookup, room)
+
     def lookup(self, state: Any, room: int, greedy: bool) -> tuple[list[int], bool]:
         """-> (the prompt-lookup tokens this round may verify, [] without a hit or lookups; whether they
         are verified beside the draft (forking, greedy) rather than instead of it)."""
@@ -118,10 +123,7 @@ class LookupSteps(Proposer):
 class DraftChains(Proposer):
     """The draft's chain, and a lookup."""
 
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        lookup, fork = self.lookup(state, room, greedy)
-        if lookup and not fork:
-            return Plan(lookup=lookup)
+    def plan_draft(self, lookup: list[int], room: int) -> Plan:
         kd = min(self.num_draft, room)
         if not self.auto:
             return Plan(kd, 0, lookup)
@@ -177,10 +179,7 @@ class BestFirstTrees(Proposer):
         self.plans: dict[int, tuple[int, int]] = {}  # lookup length -> (n, K_l), since the last re-solve
         self.since_solve = 0  # rounds the model has learned since `plans` was cleared
 
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        lookup, fork = self.lookup(state, room, greedy)
-        if lookup and not fork:
-            return Plan(lookup=lookup)
+    def plan_draft(self, lookup: list[int], room: int) -> Plan:
         K = min(self.num_draft, room)
         if K == 0:
             return Plan(lookup=lookup)

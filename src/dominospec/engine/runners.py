@@ -1,12 +1,8 @@
 """The runners one engine decodes on, as its Decoding says: `EngineRunners.pair(rows)` -> (target runner,
-draft runner or None), reset, for a generation of at most `rows` positions.
-
-- static caches (Decoding.static) when `rows` fit `capacity`: the smallest capacity bucket that holds
-  them (`static_buckets`), built on first use and kept; their CUDA graphs (Decoding.graphs) captured
-  on first use of a shape, or beforehand by `capture`; the lean decoder (Decoding.lean) replaces
-  transformers' forward on them;
-- dynamic caches otherwise (a longer generation, or `cuda_graphs: off`).
-`graph_failures` names every shape whose capture failed (the runners' and the draft path's holder).
+draft runner or None), reset, for a generation of at most `rows` positions: static caches (Decoding.static)
+of the smallest capacity bucket that holds them (`static_buckets`), built on first use and kept, their
+CUDA graphs (Decoding.graphs) captured on first use or by `capture`, on the lean decoder when
+Decoding.lean; dynamic caches otherwise. `graph_failures` names every shape whose capture failed.
 """
 
 from __future__ import annotations
