@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.draft_head import candidate_pool, pooled_head
+from dominospec.engine.draft_head import candidate_pool, pooled_head, prepare_head_kernels
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.verify_shape import Tree, pack_bits, words_for
 
@@ -209,8 +209,6 @@ def kernel_build(draft: Any, embed_tokens: Any, pool_size: int) -> tuple[Any, An
     """The draft (its head's vocabulary V, dtype and device) -> (the head prepared for the build,
     kernels.tree_grow.TreeWeights; the pool selection's workspace or None), or (None, None) where the
     tree grows with torch ops all the same (TreeGrower)."""
-    from dominospec.engine.head_kernels import prepare_head_kernels
-
     w2 = draft.embed_proj[2].weight  # [V, r]
     vocab, dtype, device = w2.shape[0], w2.dtype, w2.device
     pooled = 0 < pool_size < vocab

@@ -10,18 +10,22 @@ from; confidence[j] = q_j(d_j). Which ops run is chosen once (`HeadOps`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dominospec.engine.head_kernels import prepare_head_kernels
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
 
 if TYPE_CHECKING:
     from dominospec.engine.decoding import Decoding
     from dominospec.engine.graphs import DraftGraphs
+
+# The head's GRU input gates as a [V, 3G] table gathered by token id replace streaming W_ih (3G·H) every
+# step (Qwen3-8B shapes: 0.93 GB in bf16); past this budget the kernels take a GEMV a step instead.
+GRU_TABLE_BUDGET_BYTES = 2 << 30
 
 
 @dataclass
@@ -31,6 +35,21 @@ class DraftChain:
     tokens: torch.Tensor
     probs: Optional[torch.Tensor]
     confidence: Optional[torch.Tensor]
+
+
+def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:
+    """Domino draft + the target's embedding -> the head prepared once for the Triton kernels
+    (`dominospec.kernels.head_rollout.HeadWeights`: W1 split at H, W2, the GRU table) on the draft's device."""
+    device = draft.embed_proj[2].weight.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(f"engine.head_kernel: triton runs on CUDA tensors, but the draft is on {device} "
+                        "(set TRITON_INTERPRET=1 to run the kernels on CPU, or engine.head_kernel: torch)")
+    from dominospec.kernels.head_rollout import head_weights
+
+    gru = draft.prefix_gru
+    with torch.no_grad():
+        return head_weights(embed_tokens.weight, gru.weight_ih_l0, gru.weight_hh_l0, draft.embed_proj[0].weight,
+                            draft.embed_proj[2].weight, draft.config.pure_draft_prefix_len, GRU_TABLE_BUDGET_BYTES)
 
 
 def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Optional[torch.Tensor]:
