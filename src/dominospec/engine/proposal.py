@@ -45,11 +45,6 @@ class Proposal:
     q: Optional[torch.Tensor]
     parts: tuple[Part, ...]
 
-    @property
-    def rows(self) -> int:
-        """Verify rows: x_start and every proposed token."""
-        return 1 + self.tokens.shape[0]
-
     def of(self, source: str) -> list[Part]:
         return [p for p in self.parts if p.source == source]
 
@@ -85,13 +80,9 @@ def best_first(tree, n: int, lookup: Optional[torch.Tensor]) -> Proposal:
     return Proposal(tokens, parents, shape, None, parts)
 
 
-def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Parent rows [1 + sum(lengths)] of chains under row 0 (row 0 its own). Cached by shape."""
-    return _branch_parents(tuple(lengths), torch.device(device))
-
-
 @functools.lru_cache(maxsize=1024)
-def _branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Parent rows [1 + sum(lengths)] of chains under row 0 (row 0 its own). Cached by shape (read-only)."""
     parents, first = [0], 1
     for length in lengths:
         parents += [0] + list(range(first, first + length - 1))

@@ -34,7 +34,8 @@ class Tree:
 
     @staticmethod
     def of(depth: torch.Tensor, visible: torch.Tensor) -> "Tree":
-        return Tree(depth, visible, visibility_bits(visible))
+        """depth [T], visible [T, T] -> the Tree, its bitmask too (None past MAX_TREE_ROWS)."""
+        return Tree(depth, visible, None if visible.shape[-1] > MAX_TREE_ROWS else pack_bits(visible))
 
     def mask(self) -> torch.Tensor:
         """visible [T, T] bool, unpacked from `bits` when the tree was built as a bitmask alone."""
@@ -48,12 +49,6 @@ class Tree:
 def words_for(rows: int) -> int:
     """int64 words of a row's visibility bitmask over `rows` rows."""
     return -(-rows // 64)
-
-
-def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
-    """visible [T, T] bool -> its bitmask (`pack_bits`, kernels.tree_attention's format), None past MAX_TREE_ROWS."""
-    T = visible.shape[-1]
-    return None if T > MAX_TREE_ROWS else pack_bits(visible)
 
 
 def pack_bits(visible: torch.Tensor) -> torch.Tensor:
