@@ -49,38 +49,29 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Decoding:
-    """One engine's decoding, resolved (module docstring).
+    """One engine's decoding, resolved (module docstring)."""
 
-    drafting: a draft model proposes; head: the Domino head corrects it; tree: DominoTree's best-first
-    tree of `nodes` nodes, each offering `children` (else a chain); sampled_chain: the tree's sampled
-    rounds draft the head's chain instead; block_size B (ngram: its lookup + 1; ar: 1); k_max: the
-    drafts a round verifies at most, auto: chosen every round; cut: the chain's confidence cut (0: off);
-    pool: the candidate pool M (0: full vocabulary); window: auto-K's acceptance window; kernels: the
-    head's Triton kernels (else torch ops); draft_dtype; packed: the draft path's linears packed for
-    oneDNN; static: static caches of `capacity` rows, graphs: CUDA graphs replayed on them; lean: the
-    target (and draft backbone) on the lean decoder."""
-
-    name: str
-    drafting: bool
-    head: bool
-    tree: bool
-    sampled_chain: bool
+    name: str  # the resolved mode, a label
+    drafting: bool  # a draft model proposes
+    head: bool  # the Domino head corrects it
+    tree: bool  # DominoTree's best-first tree of `nodes` nodes, each offering `children` (else a chain)
+    sampled_chain: bool  # the tree's sampled rounds draft the head's chain instead
     nodes: int
     children: int
-    block_size: int
-    k_max: int
-    auto: bool
+    block_size: int  # B (ngram: its lookup + 1; ar: 1)
+    k_max: int  # the drafts a round verifies at most
+    auto: bool  # auto-K: K chosen every round
     lookup: Lookup
-    cut: float
-    pool: int
-    window: int
-    kernels: bool
+    cut: float  # the chain's confidence cut (0: off)
+    pool: int  # the candidate pool M (0: full vocabulary)
+    window: int  # auto-K's acceptance window
+    kernels: bool  # the head's Triton kernels (else torch ops)
     draft_dtype: torch.dtype
-    packed: bool
-    static: bool
-    graphs: bool
+    packed: bool  # the draft path's linears packed for oneDNN
+    static: bool  # static caches of `capacity` rows
+    graphs: bool  # CUDA graphs replayed on them
     capacity: int
-    lean: bool
+    lean: bool  # the target (and the draft's backbone) on the lean decoder
 
     @property
     def max_verify(self) -> int:

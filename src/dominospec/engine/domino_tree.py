@@ -32,18 +32,14 @@ from dominospec.engine.verify_shape import Tree, pack_bits, words_for
 
 @dataclass(frozen=True)
 class DraftTree:
-    """N nodes, best first. tokens [N] long; parents [N] long, the verify row of node i's parent
-    (0: x_start; node i is row i + 1, and parents[i] <= i); depth [N] long in 1..max_depth; scores
-    [N] float32 (or wider), the cumulative draft log-probability (-inf: a dead node, nothing left to
-    offer); bits [1 + N, words_for(1 + N)] int64, row r's visible rows (itself and its ancestors,
-    row 0 x_start). `max_depth` (K, on the host) bounds every path."""
+    """N nodes, best first (node i is verify row i + 1; row 0 is x_start)."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    scores: torch.Tensor
-    bits: torch.Tensor
-    max_depth: int
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long: the verify row of node i's parent, parents[i] <= i
+    depth: torch.Tensor  # [N] long in 1..max_depth
+    scores: torch.Tensor  # [N] float32 (or wider): the cumulative draft log-probability (-inf: a dead node)
+    bits: torch.Tensor  # [1 + N, words_for(1 + N)] int64: row r's visible rows (itself and its ancestors)
+    max_depth: int  # K, on the host: bounds every path
 
     @property
     def size(self) -> int:

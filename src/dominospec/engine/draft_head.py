@@ -30,11 +30,11 @@ GRU_TABLE_BUDGET_BYTES = 2 << 30
 
 @dataclass
 class DraftChain:
-    """tokens [K] (long); probs [K, V] float32 when sampling, else None; confidence [K] float32 or None."""
+    """A drafted chain of K tokens."""
 
-    tokens: torch.Tensor
-    probs: Optional[torch.Tensor]
-    confidence: Optional[torch.Tensor]
+    tokens: torch.Tensor  # [K] long
+    probs: Optional[torch.Tensor]  # [K, V] float32 when sampling, else None
+    confidence: Optional[torch.Tensor]  # [K] float32: q_j(d_j), or None
 
 
 def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:

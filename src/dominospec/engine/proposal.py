@@ -35,15 +35,13 @@ class Part:
 
 @dataclass(frozen=True)
 class Proposal:
-    """tokens [N] long (rows 1..N); parents [1 + N] long, row 0 its own (device); shape: the verify's
-    Tree, None for one chain; q [N, V] float32 or None: row r's token was drawn from q[r - 1] (a
-    sampled chain; None: point masses); parts: the sources of the rows, in order."""
+    """A round's rows to verify after x_start, and where they came from."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    shape: Optional[Tree]
-    q: Optional[torch.Tensor]
-    parts: tuple[Part, ...]
+    tokens: torch.Tensor  # [N] long (rows 1..N)
+    parents: torch.Tensor  # [1 + N] long, row 0 its own (device)
+    shape: Optional[Tree]  # the verify's Tree, None for one chain
+    q: Optional[torch.Tensor]  # [N, V] float32: row r's token was drawn from q[r - 1] (None: point masses)
+    parts: tuple[Part, ...]  # the sources of the rows, in order
 
     def of(self, source: str) -> list[Part]:
         return [p for p in self.parts if p.source == source]
@@ -92,12 +90,11 @@ def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tens
 
 @dataclass(frozen=True)
 class Verdict:
-    """accepted: the path and the tokens to commit (engine.accept); features: the verify's target
-    features [1, T, n*H] (None without a draft), rows as the verify's; proposal: what was verified."""
+    """What a verify accepted."""
 
-    accepted: Accepted
-    features: Optional[torch.Tensor]
-    proposal: Proposal
+    accepted: Accepted  # the path and the tokens to commit (engine.accept)
+    features: Optional[torch.Tensor]  # the verify's target features [1, T, n*H] (None without a draft)
+    proposal: Proposal  # what was verified
 
     @property
     def tokens(self) -> list[int]:

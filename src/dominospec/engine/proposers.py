@@ -2,7 +2,7 @@
   plan(state, room, greedy)        -> Plan: K drafts (0: no draft forward), a tree's n nodes, a lookup
   propose(plan, block, x_start, …) -> Proposal (engine.proposal) from the draft block (z, u) and the lookup
   learn(plan, verdict, m, stats)   -> the stats, and auto-K's models (engine.policy, engine.tree_policy)
-`PlainSteps` (`ar`), `LookupSteps` (`ngram`), `DraftChains` (the draft's chain, cut at `confidence_cut`;
+`LookupSteps` (`ngram`; `ar`, no lookups), `DraftChains` (the draft's chain, cut at `confidence_cut`;
 auto-K chooses (K, L) by `choose_fork`, or K) and `BestFirstTrees` (DominoTree's best n nodes, by
 `choose_nodes`). A lookup hit replaces the draft or, forking (greedy only: sampled, one proposal a
 position), is verified beside it under row 0; the branch accepted furthest wins (the draft on a tie).
@@ -25,12 +25,11 @@ from dominospec.engine.tree_policy import TreeModel, choose_nodes
 
 @dataclass(frozen=True)
 class Plan:
-    """drafts: K, the block's slots to draft from (0: no draft forward); nodes: a tree's n best nodes (0 in a
-    chain round); lookup: the prompt-lookup tokens to verify ([] none)."""
+    """What a round proposes from."""
 
-    drafts: int = 0
-    nodes: int = 0
-    lookup: list[int] = field(default_factory=list)
+    drafts: int = 0  # K, the block's slots to draft from (0: no draft forward)
+    nodes: int = 0  # a tree's n best nodes (0 in a chain round)
+    lookup: list[int] = field(default_factory=list)  # the prompt-lookup tokens to verify
 
 
 class Proposer:
@@ -85,22 +84,9 @@ class Proposer:
         return n
 
 
-class PlainSteps(Proposer):
-    """`ar`: a plain target step a round."""
-
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        return Plan()
-
-    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
-                generator: Optional[torch.Generator]) -> Proposal:
-        return chains([], x_start)
-
-    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
-        stats.record_round(0, m)
-
-
 class LookupSteps(Proposer):
-    """`ngram`: the prompt lookup is the draft (its acceptance is auto-K's one model)."""
+    """`ngram`: the prompt lookup is the draft (its acceptance is auto-K's one model); `ar`: no lookups, a
+    plain target step a round."""
 
     def fresh(self) -> None:
         super().fresh()
@@ -229,8 +215,8 @@ class BestFirstTrees(Proposer):
 def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device, sampled: bool = False) -> Proposer:
     """The engine's proposer for greedy (or `sampled`) requests, chosen once from its Decoding
     (engine.decoding): DominoTree's build (engine.draft_path) unless a sampled `domino` drafts the
-    head's chain, the head's chain, the lookup alone, or plain steps."""
+    head's chain, the head's chain, or the lookup alone (none: plain steps)."""
     d = decoding
     if d.tree and not (sampled and d.sampled_chain):
         return BestFirstTrees(d, device, head, grower)
-    return (DraftChains if d.drafting else LookupSteps if d.lookup.k_max else PlainSteps)(d, device, head, grower)
+    return (DraftChains if d.drafting else LookupSteps)(d, device, head, grower)

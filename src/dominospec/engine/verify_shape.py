@@ -24,13 +24,11 @@ MAX_TREE_ROWS = 320  # rows of one lean verify: x_start, 256 tree nodes and a lo
 
 @dataclass(frozen=True)
 class Tree:
-    """A verify of T rows: depth [T] long (position = start + depth); visible [T, T] bool (row i attends
-    to row j; always to itself); bits [T, words_for(T)] int64, `visible` as bit j % 64 of word j // 64
-    (T <= MAX_TREE_ROWS). One of the two may be None: `mask()` reads either."""
+    """A verify of T rows; `visible` or `bits` may be None: `mask()` reads either."""
 
-    depth: torch.Tensor
-    visible: Optional[torch.Tensor]
-    bits: Optional[torch.Tensor] = None
+    depth: torch.Tensor  # [T] long: position = start + depth
+    visible: Optional[torch.Tensor]  # [T, T] bool: row i attends to row j (always to itself)
+    bits: Optional[torch.Tensor] = None  # [T, words_for(T)] int64: visible[i, j] as bit j % 64 of word j // 64
 
     @staticmethod
     def of(depth: torch.Tensor, visible: torch.Tensor) -> "Tree":
