@@ -1,12 +1,9 @@
 """The draft's side of a round on the lean decoder's fused ops (models.lean): `LeanDraftBlock`, a
-`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is.
-
-The draft's pre-norm Qwen3 layers take keys and values from the committed context rows (target features
--> fc -> hidden_norm -> k/v, no queries) and from the block itself; here both live in one cache
-[layers, Hkv, capacity + B, D]: context rows 0..start-1, then the block's rows start..start+B-1, which
-the next append overwrites (never committed). The block attends with `tree_attention` over rows <
-start and its own B rows (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA graph
-per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
+`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is. One cache [layers, Hkv, capacity + B, D]
+holds the context rows' keys and values (target features -> fc -> hidden_norm -> k/v) at 0..start-1 and
+the block's own B rows after them (overwritten by the next append, never committed); the block attends
+with `tree_attention` over both (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA
+graph per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
 """
 
 from __future__ import annotations

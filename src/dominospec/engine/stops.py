@@ -1,13 +1,10 @@
 """When generation stops, and its text: end-of-sequence tokens, stop strings, the token budget.
 
-The stop tokens are the tokenizer's EOS, the model's `generation_config.eos_token_id` (an id or a list)
-and the special token that closes an assistant turn in the chat template (SmolLM2 and Qwen:
-`<|im_end|>`, Llama 3: `<|eot_id|>`), found by rendering a short exchange; a stop token is part of the
-output ids. Stop strings cut the text (`cut_at_stop_string`), which `IncrementalDetokenizer` keeps at
-O(new tokens) a step (the offsets scheme of TGI / vLLM): only the tokens since `prefix_offset` (a few
-already in the text, the decoder's left context) are decoded, with and without the new ones; the
-difference is the new text, released unless it ends in U+FFFD (bytes still missing). Invariant:
-`text` == decode(tokens[:read_offset]) (byte-level BPE and SentencePiece; tests/engine/test_detok.py).
+The stop tokens: the tokenizer's EOS, the model's `generation_config.eos_token_id` and the chat template's
+end-of-turn token (`<|im_end|>`, `<|eot_id|>`), found by rendering a short exchange; a stop token is part
+of the output ids. `IncrementalDetokenizer` keeps stop strings at O(new tokens) a step (TGI / vLLM's
+offsets): it decodes the tokens since `prefix_offset` with and without the new ones and releases the
+difference unless it ends in U+FFFD. Invariant: `text` == decode(tokens[:read_offset]).
 """
 
 from __future__ import annotations

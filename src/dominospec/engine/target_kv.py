@@ -4,15 +4,12 @@ appended after the `length` cached ones, at positions length + depth (a chain wi
 
 - `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
 - `StaticTargetKV`: a cache of `capacity` rows written in place by its forward, `HFForward`
-  (transformers' `StaticCache`, a bool mask [1, 1, T, capacity] over the rows' visibility [T, T]) or
-  `LeanForward` (engine.lean_kv: the lean decoder's cache, visibility as bitmask rows). T <= `max_rows`
-  rows replay the CUDA graph of their row bucket (engine.graphs) over static inputs: the ids, the rows'
-  depths and visibility (a chain's, or a tree's copied in) and the write position `start`; a padded row
-  sees only itself and writes past the real rows, where the next forward overwrites it. Longer forwards
-  (the prompt) run eagerly. Crop moves `length` only: rows past it are masked, then overwritten.
-The write position: transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`),
-older releases at `cache_position`; `HFForward` sets both from one device scalar (`start`) inside the
-graph, so a replay never depends on what the previous one left.
+  (transformers' `StaticCache`, the rows' visibility [T, T] bool) or `LeanForward` (engine.lean_kv,
+  bitmask rows). T <= `max_rows` rows replay their row bucket's CUDA graph over static inputs (ids,
+  depths, visibility, the write position `start`); a padded row sees only itself and writes past the
+  real rows. The prompt runs eagerly. Crop moves `length` only: later rows are masked, then overwritten.
+transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`), older releases at
+`cache_position`: `HFForward` sets both from `start` inside the graph.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The shape of a verify forward: each row's depth and the rows it sees (`Tree`).
 
-Row 0 is x_start at position `start`, every other row a proposed token at start + its depth; a row
-attends to the committed context, itself and its ancestors. The runners take the shape as it is, the
-proposal builds it:
-- one chain (`chain_tree`): row i at depth i, seeing rows 0..i;
-- branches under row 0 (`branch_tree`, a fork): each row sees row 0 and the rows before it in its own
-  branch, so each branch gets the logits a chain of its own would (up to a wider forward's rounding);
-- DominoTree's nodes (engine.domino_tree), which write their own bitmask (`pack_bits`).
-The lean verify reads visibility as int64 bitmask words a row (`Tree.bits`), up to MAX_TREE_ROWS rows.
+Row 0 is x_start at position `start`, every other row a proposed token at start + its depth, seeing the
+committed context, itself and its ancestors. The proposal builds it, the runners take it as it is: one
+chain (`chain_tree`: row i at depth i, seeing rows 0..i); branches under row 0 (`branch_tree`, a fork:
+each branch gets the logits a chain of its own would, up to rounding); DominoTree's nodes, which write
+their own bitmask (`pack_bits`, int64 words a row, the lean verify's format, up to MAX_TREE_ROWS rows).
 """
 
 from __future__ import annotations
