@@ -313,7 +313,8 @@ MODE_NAMES = {"ar", "ngram", "dflash", "domino", "dominotree"}
 # the modules before the resolve step (engine.decoding): the engine's entry, which calls it, and the
 # target's preparation for the params, which runs before any engine is built
 BEFORE_RESOLVE = {"decoding.py", "spec.py", "configure.py"}
-ENGINE_LINE_BUDGET = 3575  # issue 52 aims at 2,800 (3,867 before its restructure, 4,112 before its clean-up); a ratchet
+# a ratchet: issue 52 aims at 2,800 (3,804 before its line cut, 3,867 before its restructure, 4,112 before its clean-up)
+ENGINE_LINE_BUDGET = 3575
 
 
 def engine_files():
