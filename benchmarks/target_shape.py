@@ -109,17 +109,17 @@ def floor(target: Any, context: int, cuda: bool, out: dict) -> None:
 def verify(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """Verify of T rows on each runner that takes T -> out["verify"][runner][T]."""
     from dominospec.engine.verify_shape import MAX_TREE_ROWS
-    from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.engine.lean_kv import LeanForward
     from dominospec.engine.runners import lean_decoder
-    from dominospec.engine.target_kv import StaticTargetKV
+    from dominospec.engine.target_kv import HFForward, StaticTargetKV
 
     rows = [int(r) for r in args.rows.split(",")]
     lean_rows = [T for T in rows if T <= MAX_TREE_ROWS]
     capacity, V = args.context + max(rows) + 8, target.identity.vocab_size
     out["verify"] = dict(lean_row_limit=MAX_TREE_ROWS, context=args.context, runners={})
-    runners = {"lean": (lean_rows, lambda: LeanTargetKV(lean_decoder(target, triton=cuda), [], capacity,
-                                                        max(lean_rows), graphs=cuda)),
-               "hf static": (rows, lambda: StaticTargetKV(target.model, [], capacity, max(rows), graphs=cuda))}
+    runners = {"lean": (lean_rows, lambda: StaticTargetKV(LeanForward(lean_decoder(target, triton=cuda)), [], capacity,
+                                                          max(lean_rows), graphs=cuda)),
+               "hf static": (rows, lambda: StaticTargetKV(HFForward(target.model), [], capacity, max(rows), graphs=cuda))}
     with torch.inference_mode():
         for name, (its_rows, make) in runners.items():
             runner = make()
@@ -290,7 +290,8 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from dominospec.engine.lean_kv import LeanTargetKV
+    from dominospec.engine.lean_kv import LeanForward
+    from dominospec.engine.target_kv import StaticTargetKV
     from dominospec.models.lean import DecoderOps, LeanDecoder
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -307,7 +308,7 @@ def profile(args: argparse.Namespace) -> None:
     with torch.inference_mode():
         for T in rows:
             for graphs in (False, True):
-                runner = LeanTargetKV(decoder, [], args.context + T + 8, T, graphs=graphs and cuda)
+                runner = StaticTargetKV(LeanForward(decoder), [], args.context + T + 8, T, graphs=graphs and cuda)
                 prefix = torch.randint(V, (1, args.context), device=device)
                 ids = torch.randint(V, (1, T), device=device)
                 runner.forward(prefix, keep=1)

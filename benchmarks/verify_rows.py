@@ -39,8 +39,8 @@ def main() -> None:
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     cuda = torch.cuda.is_available() and not args.smoke
-    from dominospec.engine.lean_kv import LeanTargetKV
-    from dominospec.engine.target_kv import StaticTargetKV
+    from dominospec.engine.lean_kv import LeanForward
+    from dominospec.engine.target_kv import HFForward, StaticTargetKV
     from dominospec.models.lean import DecoderOps, LeanDecoder
 
     if args.smoke:
@@ -59,9 +59,9 @@ def main() -> None:
     result = dict(**environment(cuda), model=name, dtype=args.dtype if not args.smoke else "float32",
                   context=args.context, runners={})
     with torch.inference_mode():
-        runners = {"hf static": lambda: StaticTargetKV(model, [], capacity, max(rows), graphs=cuda),
-                   "lean": lambda: LeanTargetKV(LeanDecoder(model, DecoderOps.on(cuda)), [], capacity, max(rows),
-                                                    graphs=cuda)}
+        runners = {"hf static": lambda: StaticTargetKV(HFForward(model), [], capacity, max(rows), graphs=cuda),
+                   "lean": lambda: StaticTargetKV(LeanForward(LeanDecoder(model, DecoderOps.on(cuda))), [], capacity,
+                                                  max(rows), graphs=cuda)}
         for label, make in runners.items():
             result["runners"][label] = verify_costs(make(), vocab, args.context, rows, args.reps, cuda)
             print(f"{label}: {json.dumps(result['runners'][label])}", flush=True)

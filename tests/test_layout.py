@@ -313,7 +313,8 @@ MODE_NAMES = {"ar", "ngram", "dflash", "domino", "dominotree"}
 # the modules before the resolve step (engine.decoding): the engine's entry, which calls it, and the
 # target's preparation for the params, which runs before any engine is built
 BEFORE_RESOLVE = {"decoding.py", "spec.py", "configure.py"}
-ENGINE_LINE_BUDGET = 3804  # issue 52 aims at 2,800 (3,867 before its restructure, 4,112 before its clean-up); a ratchet
+# a ratchet: issue 52 aims at 2,800 (3,804 before its line cut, 3,867 before its restructure, 4,112 before its clean-up)
+ENGINE_LINE_BUDGET = 3575
 
 
 def engine_files():
@@ -357,7 +358,6 @@ def test_every_runner_has_what_its_protocol_asks():
 
     from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
     from dominospec.engine.lean_draft import LeanDraftBlock
-    from dominospec.engine.lean_kv import LeanTargetKV
     from dominospec.engine.runner_types import DraftRunner, TargetRunner
     from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
@@ -367,7 +367,7 @@ def test_every_runner_has_what_its_protocol_asks():
     assert methods(TargetRunner) == {"reset", "forward", "select", "crop"}
     assert methods(DraftRunner) == {"reset", "extend", "crop", "block"}
     missing = {c.__name__: sorted(m for m in methods(p) if not callable(getattr(c, m, None)))
-               for p, runners in ((TargetRunner, (DynamicTargetKV, StaticTargetKV, LeanTargetKV)),
+               for p, runners in ((TargetRunner, (DynamicTargetKV, StaticTargetKV)),
                                   (DraftRunner, (DynamicDraftBlock, StaticDraftBlock, LeanDraftBlock)))
                for c in runners}
     assert all(not m for m in missing.values()), missing

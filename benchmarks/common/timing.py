@@ -67,14 +67,14 @@ def tree_lengths(T: int) -> list[int]:
 
 
 def verify_costs(kv: Any, vocab: int, context: int, rows: list[int], reps: int, cuda: bool) -> dict:
-    """A target runner (engine.target_kv, engine.lean_kv) -> {T: {wall_ms, device_ms}}: what a round's verify of
+    """A static target runner (engine.target_kv.StaticTargetKV) -> {T: {wall_ms, device_ms}}: what a round's verify of
     T rows costs at `context` cached rows, from launch to the host knowing the answer: the ids in, a tree of
     T rows (`tree_lengths`; T = 1 is the AR step), the forward, the argmax read (the round's one
     synchronisation), then the crop back (untimed). Medians of `reps` after 5 warm-ups; device_ms: CUDA
     events around the forward alone."""
     from dominospec.engine.verify_shape import branch_tree
 
-    device = kv.keys.device if hasattr(kv, "keys") else next(kv.model.parameters()).device
+    device = kv.start.device
     g = torch.Generator().manual_seed(0)
     kv.reset()
     kv.forward(torch.randint(3, vocab, (1, context), generator=g).to(device), keep=1)

@@ -97,8 +97,8 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
     from dominospec.data.chat import render_prompt
     from dominospec.engine.verify_shape import branch_tree
     from dominospec.models.lean import DecoderOps, LeanDecoder
-    from dominospec.engine.lean_kv import LeanTargetKV
-    from dominospec.engine.target_kv import DynamicTargetKV
+    from dominospec.engine.lean_kv import LeanForward
+    from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
@@ -106,7 +106,8 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
     prompt = render_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}], THINKING_OFF)
     layers = [1, 4]
     hf = DynamicTargetKV(model, layers)
-    lean = LeanTargetKV(LeanDecoder(model, DecoderOps.reference()), layers, capacity=64, max_rows=8, graphs=False)
+    lean = StaticTargetKV(LeanForward(LeanDecoder(model, DecoderOps.reference())), layers, capacity=64, max_rows=8,
+                          graphs=False)
     g = torch.Generator().manual_seed(0)
     steps = [(torch.tensor([prompt]), 1, None), (torch.randint(151000, 151936, (1, 1), generator=g), 1, None),
              (torch.randint(0, 151936, (1, 6), generator=g), 6, (3, 2))]  # prompt, AR step, a tree of two branches

@@ -46,7 +46,7 @@ def static_caches(engine: SpecEngine, rows: int) -> tuple:
     from types import SimpleNamespace
 
     kv, drafter = engine.runners.last
-    layers = [SimpleNamespace(keys=l.keys[:, :, :rows], values=l.values[:, :, :rows]) for l in kv.cache.layers]
+    layers = [SimpleNamespace(keys=l.keys[:, :, :rows], values=l.values[:, :, :rows]) for l in kv.fwd.cache.layers]
     context = SimpleNamespace(keys=[k[:, :, :rows] for k in drafter.keys], values=[v[:, :, :rows] for v in drafter.values])
     return SimpleNamespace(layers=layers), context, kv.length, drafter.length
 

@@ -28,7 +28,7 @@ from dominospec.engine.accept import accept_greedy
 from dominospec.engine.proposal import Verdict, chains
 from dominospec.engine.policy import RoundCost, choose_fork, choose_k
 from dominospec.engine.sampling import Sampling
-from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
 from dominospec.engine.verify_shape import branch_tree, chain_tree
 
 FORK = engine_params(ngram_assist=True, ngram_fork=True, ngram_max=3)  # a chain (engine.tree.shape): chain + lookup
@@ -54,7 +54,7 @@ def test_branch_forward_equals_each_branch_alone(runner):
     def make():
         if runner == "dynamic":
             return DynamicTargetKV(target.model, layers)
-        return StaticTargetKV(target.model, layers, capacity=64, max_rows=12, graphs=False)
+        return StaticTargetKV(HFForward(target.model), layers, capacity=64, max_rows=12, graphs=False)
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 31, (1, 9), generator=g)

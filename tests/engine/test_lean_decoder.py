@@ -17,7 +17,8 @@ from engine_helpers import engine_params, draft_runners_agree, random_prompts, r
 
 from dominospec.engine import SpecEngine
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
-from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.lean_kv import LeanForward
+from dominospec.engine.target_kv import StaticTargetKV
 from dominospec.engine.runners import lean_decoder
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree
@@ -46,8 +47,8 @@ def test_lean_runner_agrees_with_transformers_through_prefill_tree_select_and_cr
     target = tiny_target(arch, vocab=32, dtype=torch.float64)
     layers = [0, target.num_layers - 2]
     dynamic = DynamicTargetKV(target.model, layers)
-    lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), layers, capacity=64, max_rows=8,
-                        graphs=False)
+    lean = StaticTargetKV(LeanForward(LeanDecoder(target.model, DecoderOps.reference())), layers, capacity=64,
+                          max_rows=8, graphs=False)
     with torch.inference_mode():
         for ids, keep, lengths, crop_to, rows in _steps(32):
             tree = branch_tree(lengths, "cpu") if lengths else None
@@ -82,10 +83,10 @@ def test_rotary_tables_a_runner_read_outlive_a_larger_runner(target, draft):
     decoder = LeanDecoder(small_target.model, DecoderOps.reference())
     lean_draft_ = LeanDraft(draft, DecoderOps.reference())
     mask_embeds = target.embed_tokens(torch.full((3,), 5))
-    LeanTargetKV(decoder, [], capacity=32, max_rows=4, graphs=False)
+    StaticTargetKV(LeanForward(decoder), [], capacity=32, max_rows=4, graphs=False)
     LeanDraftBlock(lean_draft_, target.lm_head, target.embed_tokens, mask_embeds, capacity=32, graphs=False)
     read = {"target": decoder.cos, "draft": lean_draft_.tables[mask_embeds.dtype][0]}
-    LeanTargetKV(decoder, [], capacity=256, max_rows=4, graphs=False)  # past the model's 64 positions
+    StaticTargetKV(LeanForward(decoder), [], capacity=256, max_rows=4, graphs=False)  # past the model's 64 positions
     LeanDraftBlock(lean_draft_, target.lm_head, target.embed_tokens, mask_embeds, capacity=50_000, graphs=False)
     grown = {"target": decoder.cos, "draft": lean_draft_.tables[mask_embeds.dtype][0]}
     kept = {"target": [c for c, _ in decoder.retired], "draft": [c for c, _ in lean_draft_.retired]}
@@ -98,7 +99,8 @@ def test_rotary_tables_a_runner_read_outlive_a_larger_runner(target, draft):
 def test_a_wrong_visibility_bit_changes_the_logits():
     """The tree's bitmask is what the lean verify reads: a row that sees another branch differs."""
     target = tiny_target("llama", vocab=32, dtype=torch.float64)
-    lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), [], capacity=32, max_rows=8, graphs=False)
+    lean = StaticTargetKV(LeanForward(LeanDecoder(target.model, DecoderOps.reference())), [], capacity=32, max_rows=8,
+                          graphs=False)
     ids = torch.randint(3, 30, (1, 6), generator=torch.Generator().manual_seed(2))
     tree = branch_tree((3, 2), "cpu")
     leak = torch.tensor([[0], [0], [0], [1], [1], [1]]) << 2  # branch 1's rows (3..5) also see row 2, branch 0's second

@@ -20,7 +20,7 @@ from dominospec.engine.draft_block import StaticDraftBlock
 from dominospec.engine.graphs import ShapeGraphs
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.runners import static_buckets
-from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
 
 STATIC = engine_params(cuda_graphs="static", graph_capacity=96)
 
@@ -30,7 +30,7 @@ def test_target_runners_agree_through_prefill_verify_and_crop(arch, dtype):
     target = tiny_target(arch, vocab=32, dtype=dtype)
     layers = [0, target.num_layers - 2]
     dynamic = DynamicTargetKV(target.model, layers)
-    static = StaticTargetKV(target.model, layers, capacity=64, max_rows=5, graphs=False)
+    static = StaticTargetKV(HFForward(target.model), layers, capacity=64, max_rows=5, graphs=False)
     g = torch.Generator().manual_seed(0)
     steps = [(torch.randint(3, 31, (1, 11), generator=g), 1, None),  # prefill (eager in the static runner)
              (torch.randint(3, 31, (1, 5), generator=g), 5, 13),  # verify 5 rows, keep 2 of them
@@ -52,7 +52,7 @@ def test_target_runners_agree_through_prefill_verify_and_crop(arch, dtype):
 
 def test_static_target_refuses_to_overflow_or_grow_by_crop():
     target = tiny_target("llama", vocab=32, dtype=torch.float64)
-    static = StaticTargetKV(target.model, [], capacity=16, max_rows=4, graphs=False)
+    static = StaticTargetKV(HFForward(target.model), [], capacity=16, max_rows=4, graphs=False)
     with torch.inference_mode():
         static.forward(torch.full((1, 14), 5), keep=1)
         with pytest.raises(ValueError, match="capacity 16"):

@@ -20,7 +20,7 @@ from engine_helpers import engine_params, fit_draft, random_prompts, tiny_draft,
 from dominospec.config import load_params  # noqa: E402
 from dominospec.engine import SpecEngine  # noqa: E402
 from dominospec.engine.decoding import head_kernels  # noqa: E402
-from dominospec.engine.head_kernels import prepare_head_kernels  # noqa: E402
+from dominospec.engine.draft_head import prepare_head_kernels  # noqa: E402
 from dominospec.engine.draft_head import DraftHead  # noqa: E402
 from dominospec.engine.sampling import Sampling  # noqa: E402
 from dominospec.errors import UserError  # noqa: E402

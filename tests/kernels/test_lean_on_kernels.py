@@ -13,7 +13,8 @@ import torch
 from engine_helpers import tiny_target  # noqa: E402
 
 from dominospec.models.lean import DecoderOps, LeanDecoder  # noqa: E402
-from dominospec.engine.lean_kv import LeanTargetKV  # noqa: E402
+from dominospec.engine.lean_kv import LeanForward  # noqa: E402
+from dominospec.engine.target_kv import StaticTargetKV  # noqa: E402
 from dominospec.engine.verify_shape import branch_tree  # noqa: E402
 
 
@@ -26,7 +27,8 @@ def test_the_lean_forward_on_the_triton_ops_equals_it_on_the_references():
     with torch.inference_mode():
         results = []
         for ops in (DecoderOps.reference(), DecoderOps.triton()):
-            runner = LeanTargetKV(LeanDecoder(target.model, ops), [0, 1], capacity=32, max_rows=8, graphs=False)
+            runner = StaticTargetKV(LeanForward(LeanDecoder(target.model, ops)), [0, 1], capacity=32, max_rows=8,
+                                    graphs=False)
             ids = torch.randint(3, 30, (1, 12), generator=torch.Generator().manual_seed(5)).to(device)
             runner.forward(ids[:, :6], 1)
             results.append(runner.forward(ids[:, 6:], 6, tree=branch_tree((3, 2), device)))

@@ -20,7 +20,8 @@ from engine_helpers import tiny_draft, tiny_target
 
 from dominospec.engine.domino_tree import grow_tree
 from dominospec.models.lean import DecoderOps, LeanDecoder
-from dominospec.engine.lean_kv import LeanTargetKV, row_buckets
+from dominospec.engine.lean_kv import LeanForward, row_buckets
+from dominospec.engine.target_kv import StaticTargetKV
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import words_for
 
@@ -94,8 +95,8 @@ def test_every_budget_s_bitmask_is_its_ancestor_relation(setup):
 
 def test_every_budget_verifies_on_the_lean_runner_as_on_transformers(setup):
     target, tree, prompt, lookup = setup
-    lean = LeanTargetKV(LeanDecoder(target.model, DecoderOps.reference()), [0], capacity=PROMPT + MAX_ROWS + 1,
-                        max_rows=MAX_ROWS, graphs=False)
+    lean = StaticTargetKV(LeanForward(LeanDecoder(target.model, DecoderOps.reference())), [0],
+                          capacity=PROMPT + MAX_ROWS + 1, max_rows=MAX_ROWS, graphs=False)
     dense = DynamicTargetKV(target.model, [0])
     with torch.inference_mode():
         for runner in (lean, dense):
@@ -117,8 +118,8 @@ def test_every_budget_verifies_on_the_lean_runner_as_on_transformers(setup):
 def test_buckets_of_every_word_count_on_the_triton_ops_equal_them_on_the_references(setup):
     target, tree, prompt, lookup = setup
     target = tiny_target("qwen3", vocab=40, dtype=torch.float32, layers=1, head_dim=16)
-    runners = [LeanTargetKV(LeanDecoder(target.model, ops), [0], capacity=PROMPT + MAX_ROWS + 1, max_rows=MAX_ROWS,
-                            graphs=False) for ops in (DecoderOps.reference(), DecoderOps.triton())]
+    runners = [StaticTargetKV(LeanForward(LeanDecoder(target.model, ops)), [0], capacity=PROMPT + MAX_ROWS + 1,
+                              max_rows=MAX_ROWS, graphs=False) for ops in (DecoderOps.reference(), DecoderOps.triton())]
     with torch.inference_mode():
         for runner in runners:
             runner.forward(prompt[:, :-1], keep=1)

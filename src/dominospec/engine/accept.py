@@ -1,25 +1,16 @@
-"""Acceptance: which of a verified proposal's rows the target keeps, and its own next token.
+"""Acceptance (docs/design.md §1.5): which of a verified proposal's rows the target keeps, and its next token.
 
-A verify's rows (engine.proposal): row 0 is x_start, row r a proposed token tokens[r] under a parent
-row parents[r] < r (a chain: r - 1; a fork: two chains under row 0; DominoTree: any tree). Row r's
-logits are the target's next-token distribution after the path root .. r.
-
-- greedy (`GreedyWalk`, `accept_greedy`): from row 0, descend into the child whose token is the
-  target's argmax as long as there is one. With two such children (a lookup beside a draft branch
-  that starts alike) the deeper acceptance wins, the earlier row on a tie. The committed tokens are
-  the path's, then the target's argmax after it: exactly AR's tokens.
-- sampled (`accept_sampled`): recursive rejection sampling (SpecInfer). At a row whose target
-  distribution is p, its children c_1 .. c_m are tried in row order. Child i, proposed from q_i, is
-  accepted with probability min(1, p_i(c_i) / q_i(c_i)); p_1 = p, and on a rejection
-  p_{i+1} = norm(max(0, p_i - q_i)). The first accepted child is descended into. When all are
-  rejected the next token is drawn from p_{m+1}, and at a leaf from p (the bonus). Every committed
-  token is then an exact draw from the target's warped distribution, whatever the tree.
-  Two kinds of child:
-  - a point mass, q_i = 1 at c_i: a lookup token, or a tree node (its children are a deterministic
-    top-k). p_i(c_i) = p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})), read once from the host;
-  - a draw from the draft's q (a sampled chain, the only child of its parent): the classic test
-    u < p(c) / q(c), residual max(0, p - q).
-  Chi-square tests check both (tests/engine: test_lossless_sampling, test_domino_tree).
+Row 0 is x_start, row r a proposed token tokens[r] under a parent row parents[r] < r (a chain, a fork's
+branches, any tree); row r's logits are the target's next-token distribution after the path to r.
+- greedy (`GreedyWalk`): from row 0, descend into the child whose token is the target's argmax (two such:
+  the deeper acceptance, the earlier row on a tie); then the argmax after the path: exactly AR's tokens.
+- sampled (`accept_sampled`): recursive rejection sampling (SpecInfer). A row's children c_1 .. c_m
+  are tried in row order: child i, from q_i, is accepted with probability min(1, p_i(c_i) / q_i(c_i)),
+  p_1 = p, p_{i+1} = norm(max(0, p_i - q_i)); all rejected: the next token is drawn from p_{m+1} (at a
+  leaf, from p). A point-mass child (a lookup token, a tree node) has q_i = 1 at c_i, so
+  p_i(c_i) = p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})); a sampled chain's draw (its parent's only child)
+  takes the classic test u < p(c) / q(c), residual max(0, p - q). Every committed token is an exact
+  draw from the target's warped distribution (chi-square tests in tests/engine).
 """
 
 from __future__ import annotations
@@ -38,12 +29,6 @@ class Accepted:
     rows: list[int]
     tokens: list[int]
     walk: Optional["GreedyWalk"]
-
-
-def first_mismatch(drafts: list[int], choice: list[int]) -> tuple[int, int]:
-    """Drafts [K], the target's greedy tokens [K+1] -> (n: the drafts before the first that differs, choice[n])."""
-    n = next((i for i, (d, c) in enumerate(zip(drafts, choice)) if d != c), len(drafts))
-    return n, choice[n]
 
 
 def children_of(parents: list[int]) -> list[list[int]]:

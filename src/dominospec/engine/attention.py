@@ -1,12 +1,11 @@
 """The target's attention on CPU: grouped-query heads read their shared keys and values in place.
 
-transformers' `sdpa` copies every layer's keys and values to all query heads (`repeat_kv`) for a
-masked forward of several rows: every verify. `grouped_sdpa` hands torch's SDPA the key/value heads
-as they are (`enable_gqa=True`), the same mask; equal to the repeated path to the bit for several rows
-(tests/engine/test_attention.py), within float rounding for one (numbers:
-docs/journal/2026-12-02-attention-without-repeated-keys-the-verify-on-the-cpu.md). Off CPU, and for
-what it does not cover, it hands over to transformers' `sdpa`. `gqa_sdpa` and `gqa_one_query` hold the
-grouped-head math once (regenerate.kv_batch uses them too). `use_grouped_sdpa(model)` selects it.
+transformers' `sdpa` copies every layer's keys and values to all query heads (`repeat_kv`) for a masked
+forward of several rows: every verify. `grouped_sdpa` hands torch's SDPA the key/value heads as they are
+(`enable_gqa=True`): equal to the repeated path to the bit for several rows, within rounding for one
+(docs/journal/2026-12-02-attention-without-repeated-keys-the-verify-on-the-cpu.md). Off CPU, and for what
+it does not cover, transformers' `sdpa` runs. `gqa_sdpa` and `gqa_one_query` hold the grouped-head math
+(regenerate.kv_batch uses them too). `use_grouped_sdpa(model)` selects it.
 """
 
 from __future__ import annotations

@@ -71,18 +71,9 @@ class PhaseClock:
 
 
 class RoundTimer:
-    """One round's phases, timed by `with` blocks (`PhaseClock.round`):
-
-        with clock.round(stats) as timer:      # host: plan ...
-            timer.begin(device=drafting)       # ... ends; the device phases start
-            with timer.phase("draft"): ...
-            with timer.phase("rollout"): ...
-            with timer.phase("verify"):        # host: launch ...
-                with timer.waiting(): ...      # ... wait (the acceptance's read) ...
-                ...                            # ... commit, to the end of the round
-
-    Consecutive phases share their boundary mark. On exit the spans go to the clock, and `draft_round`
-    (begin to the end of the last phase) when `drafted`: the round verified a proposal."""
+    """One round's phases (`PhaseClock.round`): the host's plan until `begin`, then `phase(name)` blocks
+    (launch), `waiting()` (the acceptance's read) and the commit to the end. Consecutive phases share a
+    mark; on exit the spans go to the clock, with `draft_round` when `drafted` (a proposal verified)."""
 
     def __init__(self, clock: "PhaseClock", stats: Any):
         self.clock, self.stats = clock, stats

@@ -3,9 +3,8 @@
 On a prefilled prompt, on the engine's own runners (static caches and graphs when it uses them): the
 verify of r = 1..R rows (R - 1: the widest round; a runner that pads r to a row bucket is timed once a
 bucket), the draft block, a K_max chain and (DominoTree) the whole tree's build, `repeats` times,
-interleaved, the fastest kept (load only adds time). The verify costs are fitted non-decreasing in r
-(`nondecreasing`, pool-adjacent-violators): else one quiet sample makes a wide fork look cheaper than
-a narrow lookup, and auto-K follows the noise.
+interleaved, the fastest kept. The verify costs are fitted non-decreasing in r (`nondecreasing`): else
+one quiet sample makes a wide fork look cheaper than a narrow lookup.
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ def measure_round_cost(kv: TargetRunner, drafter: Optional[DraftRunner], path: O
                        decoding: Decoding, ids: torch.Tensor, now: Callable[[], float],
                        shared: Optional[RoundCost] = None, repeats: int = REPEATS) -> RoundCost:
     """An engine's runners (reset, with room for the prompt and the widest verify), its draft path (None
-    without a draft) and Decoding, a prompt's ids [T] on the device -> RoundCost (ms, the minimum over
-    `repeats`). `now()` reads the wall clock after the device's queued work. `shared`: another engine's
-    cost on the same target and draft (evaluate's modes side by side), whose verify costs (when it has
-    as many rows) and draft forward are taken as they are: only the chain step and the build are
-    measured, so the modes compared choose from one measurement of the machine, not two of its noise."""
+    without a draft) and Decoding, a prompt's ids [T] -> RoundCost (ms, the minimum over `repeats`).
+    `now()` reads the wall clock after the device's queued work. `shared`: another engine's cost on the
+    same target and draft, whose verify (when as wide) and draft forward are taken as they are."""
     T, K, R = ids.numel(), decoding.k_max, decoding.max_verify + 1  # R: the most rows a verify has
     head, grower = (path.head, path.grower) if path is not None else (None, None)
     if shared is not None and len(shared.verify) < R:

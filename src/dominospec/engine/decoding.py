@@ -11,9 +11,8 @@ Every later part of the engine reads the frozen `Decoding`, never the mode strin
                                chain: the head's chain)
     dominotree  yes     on     best_first, whatever engine.tree.shape says, greedy and sampled
 
-`domino` samples its chain (`sampled_chain`): sampled, the tree buys no τ (docs/design.md, "DominoTree").
-`name` is the resolved mode (`domino` on best_first reads `dominotree`), a label nothing branches on.
-Every check of the params and the draft happens here, before anything is built.
+Sampled, `domino` drafts its chain (`sampled_chain`; docs/design.md §1.6). `name` is the resolved mode
+(`domino` on best_first reads `dominotree`), a label nothing branches on. Every check happens here.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from dominospec.config import EngineParams
+from dominospec.config import EngineParams, TreeParams
 from dominospec.engine.loading import check_draft_matches
 from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
@@ -50,38 +49,29 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Decoding:
-    """One engine's decoding, resolved (module docstring).
+    """One engine's decoding, resolved (module docstring)."""
 
-    drafting: a draft model proposes; head: the Domino head corrects it; tree: DominoTree's best-first
-    tree of `nodes` nodes, each offering `children` (else a chain); sampled_chain: the tree's sampled
-    rounds draft the head's chain instead; block_size B (ngram: its lookup + 1; ar: 1); k_max: the
-    drafts a round verifies at most, auto: chosen every round; cut: the chain's confidence cut (0: off);
-    pool: the candidate pool M (0: full vocabulary); window: auto-K's acceptance window; kernels: the
-    head's Triton kernels (else torch ops); draft_dtype; packed: the draft path's linears packed for
-    oneDNN; static: static caches of `capacity` rows, graphs: CUDA graphs replayed on them; lean: the
-    target (and draft backbone) on the lean decoder."""
-
-    name: str
-    drafting: bool
-    head: bool
-    tree: bool
-    sampled_chain: bool
+    name: str  # the resolved mode, a label
+    drafting: bool  # a draft model proposes
+    head: bool  # the Domino head corrects it
+    tree: bool  # DominoTree's best-first tree of `nodes` nodes, each offering `children` (else a chain)
+    sampled_chain: bool  # the tree's sampled rounds draft the head's chain instead
     nodes: int
     children: int
-    block_size: int
-    k_max: int
-    auto: bool
+    block_size: int  # B (ngram: its lookup + 1; ar: 1)
+    k_max: int  # the drafts a round verifies at most
+    auto: bool  # auto-K: K chosen every round
     lookup: Lookup
-    cut: float
-    pool: int
-    window: int
-    kernels: bool
+    cut: float  # the chain's confidence cut (0: off)
+    pool: int  # the candidate pool M (0: full vocabulary)
+    window: int  # auto-K's acceptance window
+    kernels: bool  # the head's Triton kernels (else torch ops)
     draft_dtype: torch.dtype
-    packed: bool
-    static: bool
-    graphs: bool
+    packed: bool  # the draft path's linears packed for oneDNN
+    static: bool  # static caches of `capacity` rows
+    graphs: bool  # CUDA graphs replayed on them
     capacity: int
-    lean: bool
+    lean: bool  # the target (and the draft's backbone) on the lean decoder
 
     @property
     def max_verify(self) -> int:
@@ -127,7 +117,7 @@ def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_dr
     else:
         block_size = params.ngram_num_draft + 1 if mode == "ngram" else 1
     if tree:
-        check_tree(params)
+        check_tree(params.tree)
     auto = num_draft == "auto"
     k_max = 0 if mode == "ar" else checked_k_max(num_draft, auto, block_size)
     lookup_k = k_max if mode == "ngram" else (params.ngram_num_draft if params.ngram_assist and drafting else 0)
@@ -193,9 +183,8 @@ def head_kernels(choice: str, device: torch.device) -> bool:
     return True
 
 
-def check_tree(params: EngineParams) -> None:
-    """engine.tree.nodes and children within their limits."""
-    tree = params.tree
+def check_tree(tree: TreeParams) -> None:
+    """engine.tree's nodes and children within their limits."""
     if tree.nodes < 1 or tree.children < 1:
         raise UserError(f"engine.tree.nodes and engine.tree.children must be >= 1, got {tree.nodes} and {tree.children}")
     if tree.nodes > MAX_TREE_NODES:

@@ -1,73 +1,45 @@
-"""DominoTree: the draft's tree grown best-first over the cumulative log-probability of its paths.
+"""DominoTree (docs/design.md §1.6): the draft's tree grown best-first over the cumulative draft
+log-probability of its paths, log q(t_1) + ... + log q(t_d); a node's children are the `children` most
+likely tokens of its own path's Domino distribution (slot j < P: softmax(u_j); slot j >= P: the head's
+correction with the path's GRU state, over the block's candidate pool; sampling: the log of the warped
+q the chain would draw from). The backbone ran once for the block (z [K, H], u [K, V]).
 
-A chain spends its rows on the draft's one best guess at every depth. DominoTree spends them where
-the draft puts its mass: a
-node is the path x_start, t_1 .. t_d; its score is the draft's log q(t_1) + ... + log q(t_d); the
-tree of budget N is the N best-scored nodes, each path's children offered by that path's own
-Domino head:
+Scores only fall along a path, so the N best nodes are closed under parents and each is among the N
+best of its depth: the tree grows depth by depth, each frontier the <= N best children of the last
+(one batched GRU step and correction), then the N best of all K frontiers, a max-heap's tree up to
+ties. Shapes depend on (K, N, children) alone: on CUDA the build is one graph (`TreeGrower`).
 
-    slot j < P (pure_draft_prefix_len): q = softmax(u_j)                  the same for every path
-    slot j >= P:                        q = softmax(u_j + W2 . SiLU(W1 . [z_j ; s_path]))
-                                        over the block's candidate pool (engine.draft_head), s_path the
-                                        GRU state after [x_start, t_1 .. t_j]
-
-(greedy: log_softmax of the scored logits; sampling: the log of the warped q the chain would draw
-from, `Sampling.probs`). Each node offers its `children` most likely tokens. The backbone ran once
-for the block (z [K, H], u [K, V]): only the GRU step and the correction run per path.
-
-How it is grown. A max-heap (pop the best path, push its children) is the textbook build; it is
-one GRU step and one correction per node, each waiting for the last. Scores only fall along a path
-(log q <= 0), so a node's ancestors always score at least as well as it: the N best nodes of the
-unbounded tree are closed under taking parents, and they are exactly the heap's N nodes (up to
-ties). Every one of them is also among the N best of its own depth. So the tree is grown depth by
-depth: the frontier at depth d is the (at most) N best children of the frontier at depth d - 1,
-scored in one batch of F <= N rows (one GRU step, one correction over the pool); the tree is then
-the N best of all K frontiers. K batched steps instead of N sequential ones, with shapes fixed by
-(K, N, children): on CUDA the whole build is one graph (`TreeGrower`), no host work per node.
-
-The nodes come out best first (a stable sort: on equal scores the shallower first), so every
-prefix of them is itself a tree (a parent always precedes its children): the best n <= N nodes are
-the tree of budget n, which is how auto-K verifies fewer rows than it grew (engine.tree_policy),
-and how it learns, from one verified tree, what every smaller budget would have accepted.
-
-The verify rows (`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at
-depth d_i (position start + d_i); each row sees the committed context, its ancestors and itself.
-The build also writes each row's ancestors as a bitmask (`DraftTree.bits`, the lean verify's
-format, engine.verify_shape): K gathers, bits = self | bits[parent], inside the same graph. Since a parent
-precedes its children, the rows 0..n of the whole tree are the tree of budget n, bits included.
+Invariants: nodes come best first (stable: the shallower on a tie), so a parent precedes its children
+and the best n <= N nodes are the tree of budget n (auto-budget, engine.tree_policy). Verify rows
+(`DraftTree.verify_rows`): row 0 is x_start (depth 0), node i is row i + 1 at depth d_i; each row sees
+the context, its ancestors and itself, written as int64 bitmask words (`DraftTree.bits`,
+engine.verify_shape's format) in the same graph: bits = self | bits[parent], K gathers.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-import functools
-
-from dominospec.engine.decoding import MAX_TREE_NODES  # noqa: F401 - the budget's limit, named beside the tree
-from dominospec.engine.draft_head import candidate_pool, pooled_head
+from dominospec.engine.draft_head import candidate_pool, pooled_head, prepare_head_kernels
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.verify_shape import Tree, pack_bits, words_for
 
 
-
 @dataclass(frozen=True)
 class DraftTree:
-    """N nodes, best first. tokens [N] long; parents [N] long, the verify row of node i's parent
-    (0: x_start; node i is row i + 1, and parents[i] <= i); depth [N] long in 1..max_depth; scores
-    [N] float32 (or wider), the cumulative draft log-probability (-inf: a dead node, nothing left to
-    offer); bits [1 + N, words_for(1 + N)] int64, row r's visible rows (itself and its ancestors,
-    row 0 x_start). `max_depth` (K, on the host) bounds every path."""
+    """N nodes, best first (node i is verify row i + 1; row 0 is x_start)."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    scores: torch.Tensor
-    bits: torch.Tensor
-    max_depth: int
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long: the verify row of node i's parent, parents[i] <= i
+    depth: torch.Tensor  # [N] long in 1..max_depth
+    scores: torch.Tensor  # [N] float32 (or wider): the cumulative draft log-probability (-inf: a dead node)
+    bits: torch.Tensor  # [1 + N, words_for(1 + N)] int64: row r's visible rows (itself and its ancestors)
+    max_depth: int  # K, on the host: bounds every path
 
     @property
     def size(self) -> int:
@@ -77,36 +49,27 @@ class DraftTree:
         """The verify of x_start, the best n nodes, then a lookup chain of `lookup` rows under x_start
         (engine.verify_shape) -> (its Tree: depth [T], bits [T, words_for(T)], T = 1 + n + lookup; parent rows
         [T], row 0 its own). Device ops only: no host -> device copy."""
-        T, device = 1 + n + lookup, self.tokens.device
+        T = 1 + n + lookup
         tree_bits = self.bits[:1 + n, :words_for(T)]
         pad = words_for(T) - tree_bits.shape[1]
-        depth, parents, bits = [self.depth.new_zeros(1), self.depth[:n]], [self.parents.new_zeros(1), self.parents[:n]], \
-            [torch.nn.functional.pad(tree_bits, (0, pad)) if pad else tree_bits]
+        depth, parents = [self.depth.new_zeros(1), self.depth[:n]], [self.parents.new_zeros(1), self.parents[:n]]
+        bits = [F.pad(tree_bits, (0, pad)) if pad else tree_bits]
         if lookup:
-            chain = lookup_chain(n, lookup, device)
-            depth, parents, bits = depth + [chain.depth], parents + [chain.parents], bits + [chain.bits]
+            for part, rows in zip((depth, parents, bits), lookup_chain(n, lookup, self.tokens.device)):
+                part.append(rows)
         return Tree(torch.cat(depth), None, torch.cat(bits)), torch.cat(parents)
 
 
-@dataclass(frozen=True)
-class LookupChain:
-    """The rows of a lookup chain of L tokens verified after x_start and n tree nodes: depth [L]
-    (1..L), parents [L] (row 0, then the row before), bits [L, words_for(1 + n + L)]."""
-
-    depth: torch.Tensor
-    parents: torch.Tensor
-    bits: torch.Tensor
-
-
 @functools.lru_cache(maxsize=4096)
-def lookup_chain(n: int, lookup: int, device: torch.device) -> LookupChain:
-    """Cached by shape (a round's verify then copies nothing from the host). Read-only."""
+def lookup_chain(n: int, lookup: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A lookup chain of L tokens verified after x_start and n nodes -> its rows' depth [L] (1..L), parents
+    [L] (row 0, then the row before), bits [L, words_for(1 + n + L)]. Cached by shape (read-only)."""
     rows = torch.arange(1, lookup + 1)  # lookup token k: row n + k, depth k
     parents = torch.where(rows > 1, rows + n - 1, 0)
     visible = torch.zeros(lookup, 1 + n + lookup, dtype=torch.bool)  # row 0, then the chain up to itself
     visible[:, 0] = True
     visible[:, n + 1:] = torch.ones(lookup, lookup, dtype=torch.bool).tril()
-    return LookupChain(rows.to(device), parents.to(device), pack_bits(visible).to(device))
+    return rows.to(device), parents.to(device), pack_bits(visible).to(device)
 
 
 def ancestor_bits(parents: torch.Tensor, steps: int) -> torch.Tensor:
@@ -198,18 +161,12 @@ MAX_KERNEL_POOL = 16384
 
 
 class TreeGrower:
-    """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`. With
-    `graphs` (the engine's holder, engine.graphs.DraftGraphs: static caches) the build runs on its
-    static inputs, one CUDA graph per (K, sampling) when they are enabled: one replay a round, the
-    verify's bitmask included; the tree is then the graph's own output, valid until the next `grow`
-    (a round verifies it before it drafts again). Without them the same function runs eagerly on the
-    caller's tensors.
-
-    Which ops grow it: with `kernels` (the resolve step's choice, engine.decoding) greedy trees grow
-    on the kernels (`dominospec.kernels.tree_grow`, three launches a depth, the pool from
-    `kernels.pool_select`) where the GRU's input table fits and the pool is at most MAX_KERNEL_POOL;
-    everything else (sampling, no table, a wider pool) runs `grow_tree`'s torch ops, about four
-    times the launches. `score_cols`: the kernels' score programs' pool columns (None: their rule)."""
+    """The engine's build: `grow(z [K, H], u [K, V], x_start [1], sampling) -> DraftTree`. On the holder
+    `graphs` (engine.graphs.DraftGraphs; static caches) it runs on the holder's inputs, one CUDA graph per
+    (K, sampling) when enabled, and the tree is the graph's output, valid until the next `grow`; else
+    eagerly on the caller's tensors. With `kernels` (engine.decoding) greedy trees grow on
+    `dominospec.kernels.tree_grow` where the GRU's input table fits and the pool is at most
+    MAX_KERNEL_POOL; the rest runs `grow_tree`'s torch ops. `score_cols`: the kernels' pool columns."""
 
     def __init__(self, draft: Any, embed_tokens: Any, nodes: int, children: int, pool_size: int, kernels: bool,
                  graphs: Optional[Any] = None, score_cols: Optional[int] = None):
@@ -248,8 +205,6 @@ def kernel_build(draft: Any, embed_tokens: Any, pool_size: int) -> tuple[Any, An
     """The draft (its head's vocabulary V, dtype and device) -> (the head prepared for the build,
     kernels.tree_grow.TreeWeights; the pool selection's workspace or None), or (None, None) where the
     tree grows with torch ops all the same (TreeGrower)."""
-    from dominospec.engine.head_kernels import prepare_head_kernels
-
     w2 = draft.embed_proj[2].weight  # [V, r]
     vocab, dtype, device = w2.shape[0], w2.dtype, w2.device
     pooled = 0 < pool_size < vocab

@@ -54,7 +54,7 @@ class DynamicDraftBlock:
 class GraphedBlock(FixedRows):
     """A draft runner whose "append S rows + block" is one graph per S <= B (engine.graphs) over the
     buffers `start` (0-d), `x_start` [1] and `features[S]` [1, S, n*H]; the subclass gives the graph's
-    function (`_step(S)`) and `extend` for the rows that come more than B at a time."""
+    function (`_step(S)`) and `_extend` for the rows that come more than B at a time."""
 
     what = "draft context"
 
@@ -73,6 +73,13 @@ class GraphedBlock(FixedRows):
     def embeds(self) -> torch.Tensor:
         """The block's embeddings [B, H]: x_start's, then the MASK slots'."""
         return torch.cat([self.embed_tokens(self.x_start).to(self.mask_embeds.dtype), self.mask_embeds])
+
+    def extend(self, features: torch.Tensor) -> None:
+        """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
+        S = features.shape[1]
+        self.check_room(S)
+        self._extend(features.to(self.mask_embeds.dtype), S)
+        self.length += S
 
     def block(self, features: Optional[torch.Tensor], x_start: torch.Tensor, start: int, K: int) -> Output:
         S = 0 if features is None else features.shape[1]
@@ -104,13 +111,9 @@ class StaticDraftBlock(GraphedBlock):
         self.columns = torch.arange(capacity, device=mask_embeds.device)  # [L]
         super().__init__(lm_head, embed_tokens, mask_embeds, capacity, draft.fc.weight.shape[1], graphs)
 
-    def extend(self, features: torch.Tensor) -> None:
-        """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
-        S = features.shape[1]
-        self.check_room(S)
+    def _extend(self, features: torch.Tensor, S: int) -> None:
         self.start.fill_(self.length + S)
-        self._append(features.to(self.mask_embeds.dtype))
-        self.length += S
+        self._append(features)
 
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]`, then the block at `start`."""

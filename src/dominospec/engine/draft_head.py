@@ -1,27 +1,21 @@
-"""The draft's proposal for one block: z [K, H] (final normed draft states; slot j predicts x[start+1+j]),
-the base logits u = lm_head(z) [K, V] (the draft path's dtype) and x_start [1] -> a chain of K tokens.
-
-- head off (`dflash`): d_j is drawn from u_j, each row alone.
-- head on: slot j >= P (pure_draft_prefix_len) draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]), s_j the
-  GRU state after [x_start, d_1..d_j]. The model's `rollout` is the one torch reference; the Triton
-  kernel `kernels.head_rollout` is its fast path, tested against it; `RolloutGraphs` (greedy) and
-  `SampledChains` replay them as CUDA graphs on the engine's one holder (engine.graphs.DraftGraphs).
-- candidate pool M (0 < M < V): the corrected steps score only cand = topk(max_{j >= P} u_j, M) and a
-  token outside it gets q = 0; M = 0 is the exact full vocabulary.
-
-Only the verify must be exact: a pool, like a bf16 draft, changes only which tokens are proposed.
-Sampled, q_j [K, V] is exactly the distribution d_j was drawn from (lossless rejection needs it);
-confidence[j] = q_j(d_j), the draft's belief in d_j. Which ops run is chosen once (`HeadOps`).
+"""The draft's proposal for one block (docs/design.md §1.3): z [K, H] (final normed draft states; slot j
+predicts x[start+1+j]), u = lm_head(z) [K, V] and x_start [1] -> a chain of K tokens. Head off (`dflash`):
+d_j drawn from u_j alone; head on: slot j >= P draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]), s_j the GRU
+state after [x_start, d_1..d_j]. The model's `rollout` is the torch reference, `kernels.head_rollout` its
+fast path; `RolloutGraphs` and `SampledChains` replay them on the one holder (engine.graphs.DraftGraphs).
+A candidate pool M (0 < M < V) scores the corrected steps over topk(max_{j >= P} u_j, M) only (q = 0
+outside); only the verify must be exact. Sampled, q_j [K, V] is exactly the distribution d_j was drawn
+from; confidence[j] = q_j(d_j). Which ops run is chosen once (`HeadOps`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dominospec.engine.head_kernels import prepare_head_kernels
 from dominospec.engine.sampling import Sampling
 from dominospec.errors import UserError
 
@@ -29,14 +23,33 @@ if TYPE_CHECKING:
     from dominospec.engine.decoding import Decoding
     from dominospec.engine.graphs import DraftGraphs
 
+# The head's GRU input gates as a [V, 3G] table gathered by token id replace streaming W_ih (3G·H) every
+# step (Qwen3-8B shapes: 0.93 GB in bf16); past this budget the kernels take a GEMV a step instead.
+GRU_TABLE_BUDGET_BYTES = 2 << 30
+
 
 @dataclass
 class DraftChain:
-    """tokens [K] (long); probs [K, V] float32 when sampling, else None; confidence [K] float32 or None."""
+    """A drafted chain of K tokens."""
 
-    tokens: torch.Tensor
-    probs: Optional[torch.Tensor]
-    confidence: Optional[torch.Tensor]
+    tokens: torch.Tensor  # [K] long
+    probs: Optional[torch.Tensor]  # [K, V] float32 when sampling, else None
+    confidence: Optional[torch.Tensor]  # [K] float32: q_j(d_j), or None
+
+
+def prepare_head_kernels(draft: Any, embed_tokens: Any) -> Any:
+    """Domino draft + the target's embedding -> the head prepared once for the Triton kernels
+    (`dominospec.kernels.head_rollout.HeadWeights`: W1 split at H, W2, the GRU table) on the draft's device."""
+    device = draft.embed_proj[2].weight.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(f"engine.head_kernel: triton runs on CUDA tensors, but the draft is on {device} "
+                        "(set TRITON_INTERPRET=1 to run the kernels on CPU, or engine.head_kernel: torch)")
+    from dominospec.kernels.head_rollout import head_weights
+
+    gru = draft.prefix_gru
+    with torch.no_grad():
+        return head_weights(embed_tokens.weight, gru.weight_ih_l0, gru.weight_hh_l0, draft.embed_proj[0].weight,
+                            draft.embed_proj[2].weight, draft.config.pure_draft_prefix_len, GRU_TABLE_BUDGET_BYTES)
 
 
 def candidate_pool(base_logits: torch.Tensor, first: int, pool_size: int) -> Optional[torch.Tensor]:
@@ -136,9 +149,8 @@ class DraftHead:
     def drawn_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
                     noise: Optional[torch.Tensor]) -> DraftChain:
         """The rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms noise [K, V]
-        (row j draws d_j). No host sync: a graph captures it (`SampledChains`). With the kernels
-        prepared, a temperature-only draw runs on them (the same race; the pool comes sorted from
-        `kernels.pool_select`, so the same noise may pick other tokens, each drawn from its q exactly)."""
+        (row j draws d_j), no host sync. A temperature-only draw runs on the kernels when prepared (the
+        same race over a sorted pool: other tokens may win, each drawn from its q exactly)."""
         if self.kernels is not None and noise is not None and sampling.top_k == 0 and sampling.top_p >= 1.0:
             from dominospec.kernels.head_rollout import head_rollout
             from dominospec.kernels.pool_select import pool_select
@@ -166,11 +178,9 @@ def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Option
 
 
 class RolloutGraphs:
-    """The greedy rollout on the kernels, pool selection included (`kernels.pool_select`, one workspace
-    for every K: replays run one after another on one stream), over the holder's static inputs: one
-    graph per (K, confidence wanted), so a chain is one replay instead of 2K + 2 launches (+ 4 for a
-    pool). The pool needs bf16, fp16 or fp32 logits.
-    chain(z [K, H], u [K, V], x_start [1], want) -> DraftChain, copies the caller keeps."""
+    """The greedy rollout on the kernels, pool selection included (one workspace for every K), over the
+    holder's inputs, one graph per (K, confidence wanted): chain(z [K, H], u [K, V], x_start [1], want)
+    -> DraftChain, copies the caller keeps. The pool needs bf16, fp16 or fp32 logits."""
 
     def __init__(self, weights: Any, pool_size: int, holder: DraftGraphs):
         self.weights, self.pool_size, self.inputs = weights, pool_size, holder.inputs
@@ -205,10 +215,9 @@ class RolloutGraphs:
 
 
 class SampledChains:
-    """The sampled chain's rollout as one graph per (K, sampling) on the holder's static inputs z, u,
-    x_start and noise [B, V] (the request's generator fills the noise before each replay):
-    chain(z, u, x_start, sampling, generator) -> DraftChain, the graph's outputs (valid until the next
-    chain), the same draws as the head's eager `noisy_chain` on the same generator."""
+    """The sampled chain's rollout, one graph per (K, sampling) on the holder's inputs and noise [B, V]
+    (filled from the request's generator first): chain(z, u, x_start, sampling, generator) ->
+    DraftChain, the graph's outputs, the same draws as the eager `noisy_chain`."""
 
     def __init__(self, holder: DraftGraphs):
         self.inputs = holder.inputs
@@ -228,12 +237,10 @@ class SampledChains:
 
 
 class _Draws:
-    """A sampler for the model's rollout (one row) that keeps q_j scattered over the vocabulary V
-    (sampling) and q_j(d_j), the draft's belief; a step scored over the pool sees M < V columns,
-    which `pool` maps back. Sampled, step j draws with the uniforms noise[j] [V] (its first N
-    columns): the exponential race d = argmax_i q_i / E_i, E_i = -log U_i ~ Exp(1) iid, picks i with
-    probability q_i exactly, and a token with q_i = 0 never. The noise is drawn before the rollout,
-    so the rollout has no random op and no host sync (a graph replays it)."""
+    """A sampler for the model's rollout (one row) keeping q_j over the vocabulary V (`pool` maps a pooled
+    step's M columns back) and q_j(d_j). Step j draws with noise[j] [V]: the exponential race
+    d = argmax_i q_i / E_i, E_i = -log U_i ~ Exp(1), picks i with probability q_i exactly (no random op,
+    no host sync)."""
 
     def __init__(self, sampling: Sampling, noise: Optional[torch.Tensor], vocab: int, pool: Optional[torch.Tensor]):
         self.sampling, self.noise, self.vocab, self.pool = sampling, noise, vocab, pool

@@ -26,20 +26,17 @@ from dominospec.target import Target
 
 @dataclass(frozen=True)
 class DraftPath:
-    """model: the draft in `dtype`; lm_head: z [K, H] -> u [K, V]; block_size B; layer_ids: the target
-    layers whose features it reads; mask_embeds [B-1, H] in `dtype`: the block's MASK slots; head: its
-    proposal for a block; grower: DominoTree's build, or None; graphs: the static inputs and CUDA
-    graphs of the head's rollouts and the tree's build (engine.graphs.DraftGraphs; static caches only)."""
+    """The draft as one engine runs it (module docstring)."""
 
-    model: DFlashDraftModel
-    lm_head: Any
+    model: DFlashDraftModel  # in `dtype`
+    lm_head: Any  # z [K, H] -> u [K, V]
     dtype: torch.dtype
-    block_size: int
-    layer_ids: tuple[int, ...]
-    mask_embeds: torch.Tensor
-    head: DraftHead
-    grower: Optional[TreeGrower]
-    graphs: Optional[DraftGraphs]
+    block_size: int  # B
+    layer_ids: tuple[int, ...]  # the target layers whose features it reads
+    mask_embeds: torch.Tensor  # [B-1, H] in `dtype`: the block's MASK slots
+    head: DraftHead  # its proposal for a block
+    grower: Optional[TreeGrower]  # DominoTree's build
+    graphs: Optional[DraftGraphs]  # the holder of the head's and the tree's graphs (static caches only)
 
 
 def load_draft_path(draft: DFlashDraftModel, target: Target, decoding: Decoding) -> DraftPath:

@@ -1,14 +1,10 @@
 """CUDA graphs for the engine's fixed-shape forwards: capture once per shape, replay per round.
 
-`ShapeGraphs(build)` holds one graph per shape key; `build(key)` returns a function of no arguments
-that reads only static input buffers and returns static outputs, run a few times on a side stream
-(warm-up: workspaces, lazy allocations, autotuning) and then captured. `run(key)` replays it; the next
-replay of that key overwrites its outputs (callers copy what they keep). With `enabled=False` (CPU,
-`cuda_graphs` off or static) `run` calls the function eagerly: the same buffers and arithmetic. A
-shape whose capture fails runs eagerly from then on, its error kept in `failures`.
-
-The runners hold their own forwards' graphs; `DraftGraphs` is the one holder of the rest (the draft
-block's outputs as static inputs, and the head's and the tree's graphs on them).
+`ShapeGraphs(build)` holds one graph per shape key: `build(key)` returns a function of no arguments over
+static input buffers, returning static outputs, warmed up on a side stream and captured; `run(key)`
+replays it (the next replay of that key overwrites its outputs). With `enabled=False` `run` calls the
+function eagerly; a shape whose capture fails runs eagerly from then on (`failures`). The runners hold
+their own forwards' graphs; `DraftGraphs` is the one holder of the rest (the head's and the tree's).
 """
 
 from __future__ import annotations

@@ -35,17 +35,17 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def move_rows(cache: Any, start: int, rows: list[int]) -> None:
-    """Rows start + rows[i] -> start + i, for i in order, in every layer's keys and values (a fork
-    round's winning branch into place; rows ascending, rows[i] >= i). The caller crops after."""
+def move_rows(tensors: list[torch.Tensor], start: int, rows: list[int]) -> None:
+    """Rows start + rows[i] -> start + i along dim 2, for i in order, in every cache tensor [.., .., rows, D]
+    (a fork's or a tree's winning path into place; rows ascending, rows[i] >= i). The caller crops after."""
     if rows == list(range(len(rows))):
         return
-    source = torch.tensor([start + r for r in rows], device=_layer_tensors(cache)[0].device)
-    for tensor in _layer_tensors(cache):  # [batch, heads, rows, head_dim]
+    source = torch.tensor([start + r for r in rows], device=tensors[0].device)
+    for tensor in tensors:
         tensor[:, :, start:start + len(rows)] = tensor.index_select(2, source)
 
 
-def _layer_tensors(cache: Any) -> list[Any]:
+def layer_tensors(cache: Any) -> list[Any]:
     """Every layer's key and value tensors: `cache.layers[i].keys / .values` (transformers >= 4.54),
     else the older `key_cache` / `value_cache` lists."""
     if getattr(cache, "layers", None):

@@ -1,12 +1,9 @@
 """The draft's side of a round on the lean decoder's fused ops (models.lean): `LeanDraftBlock`, a
-`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is.
-
-The draft's pre-norm Qwen3 layers take keys and values from the committed context rows (target features
--> fc -> hidden_norm -> k/v, no queries) and from the block itself; here both live in one cache
-[layers, Hkv, capacity + B, D]: context rows 0..start-1, then the block's rows start..start+B-1, which
-the next append overwrites (never committed). The block attends with `tree_attention` over rows <
-start and its own B rows (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA graph
-per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
+`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is. One cache [layers, Hkv, capacity + B, D]
+holds the context rows' keys and values (target features -> fc -> hidden_norm -> k/v) at 0..start-1 and
+the block's own B rows after them (overwritten by the next append, never committed); the block attends
+with `tree_attention` over both (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA
+graph per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
 """
 
 from __future__ import annotations
@@ -38,12 +35,9 @@ class LeanDraft:
         self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown tables, which captured graphs still read
 
     def ensure_positions(self, n: int, dtype: torch.dtype) -> None:
-        """The draft's rotary tables for positions 0..n-1 in `dtype` (models.domino's `rope_cos_sin`,
-        elementwise in the position: a row is what a forward at that position computes).
-
-        Every engine on this draft shares the tables, and a CUDA graph captured on them holds their
-        addresses: outgrown tables are kept alive (`retired`), never freed, or a graph of a smaller
-        cache would read freed memory once a larger cache is built."""
+        """The draft's rotary tables for positions 0..n-1 in `dtype` (models.domino's `rope_cos_sin`). Every
+        engine on this draft shares them and CUDA graphs hold their addresses: outgrown tables are kept
+        alive (`retired`), or a smaller cache's graph would read freed memory."""
         if dtype in self.tables and self.tables[dtype][0].shape[0] >= n:
             return
         positions = torch.arange(n, device=self.fc.device)[None]
@@ -97,13 +91,9 @@ class LeanDraftBlock(GraphedBlock):
         self.workspace = lean.stack.workspace_for(B, device)  # the block attention's scratch
         super().__init__(lm_head, embed_tokens, mask_embeds, capacity, lean.fc.shape[1], graphs)
 
-    def extend(self, features: torch.Tensor) -> None:
-        """Rows [1, S, n*H] appended at positions length..length+S-1 (eager)."""
-        S = features.shape[1]
-        self.check_room(S)
+    def _extend(self, features: torch.Tensor, S: int) -> None:
         self.start.fill_(self.length)
-        self.lean.append(features[0].to(self.mask_embeds.dtype), self.start, self.keys, self.values)
-        self.length += S
+        self.lean.append(features[0], self.start, self.keys, self.values)
 
     def _step(self, S: int):
         """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""

@@ -1,11 +1,9 @@
 """Linear layers with weights packed once for oneDNN (CPU): the engine's `linear: packed` switch.
 
-In fp32 `F.linear` goes through MKL, which re-packs the weight on every call of more than one row: an
-8-row verify cost well over one AR step on the 2-core EPYC (docs/journal/2026-11-30-speculative-decoding-
-cost-on-cpu.md). oneDNN with a weight packed once runs 1..8 rows at about the cost of one, fp32 and bf16,
-in the dtype's own arithmetic. `pack_linears(module)` swaps every packable `nn.Linear` (CPU, fp32 / bf16)
-for a `PackedLinear` (the original `weight` stays reachable, e.g. tied), on the target before any engine
-is built, so the AR baseline runs the verify's kernels.
+In fp32 `F.linear` goes through MKL, which re-packs the weight on every call of more than one row (an
+8-row verify cost well over one AR step on the 2-core EPYC: docs/journal/2026-11-30-speculative-decoding-
+cost-on-cpu.md); oneDNN with a weight packed once runs 1..8 rows at about the cost of one. `pack_linears`
+swaps every packable `nn.Linear` for a `PackedLinear` (the original `weight` stays reachable, e.g. tied).
 """
 
 from __future__ import annotations

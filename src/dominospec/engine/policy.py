@@ -1,18 +1,12 @@
 """Auto-K: how many drafts to verify this round, from the measured acceptance and round cost.
 
-A round verifying K drafts emits E(K) = 1 + a_1 + ... + a_K tokens on average (a_k = P(at least k
-drafts accepted)) and costs C(K) ms (`RoundCost`); K = 0 is a plain target step, C(0) one AR step. The
-policy picks argmax_K E(K) / C(K) over 0..K_max, so it drafts less, or nothing, when recent rounds
-accepted little.
-
-Acceptance by position from counts decayed over a window of W rounds (each round multiplies them by
-1 - 1/W), fresh every generation (a seeded sampled answer then depends on that generation alone):
-rho_k = (hit_k + w * prior_k) / (tried_k + w), prior_1 = PRIOR, prior_k = rho_{k-1}, a_k = rho_1 ...
-rho_k. As failures fade, the prior returns and a probe round is tried again.
-
-A forking round (greedy) verifies the draft's chain of K_d and a prompt lookup of K_l beside it; the
-lookup is taken as independent of the draft: E = 1 + sum_k 1 - (1 - a_k)(1 - l_k). `choose_fork` picks
-(K_d, K_l) over the whole grid. DominoTree's budget is engine.tree_policy's.
+A round verifying K drafts emits E(K) = 1 + a_1 + ... + a_K tokens on average (a_k = P(at least k drafts
+accepted)) and costs C(K) ms (`RoundCost`; K = 0 is a plain step): the policy picks argmax_K E(K) / C(K)
+over 0..K_max. Acceptance by position from counts decayed over a window of W rounds (x (1 - 1/W) a round),
+fresh every generation: rho_k = (hit_k + w * prior_k) / (tried_k + w), prior_1 = PRIOR, prior_k =
+rho_{k-1}, a_k = rho_1 ... rho_k; as failures fade, the prior returns and a probe round is tried again.
+A forking round (greedy) verifies a chain of K_d and a lookup of K_l beside it, taken as independent:
+E = 1 + sum_k 1 - (1 - a_k)(1 - l_k) (`choose_fork`). DominoTree's budget is engine.tree_policy's.
 """
 
 from __future__ import annotations

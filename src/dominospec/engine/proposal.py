@@ -35,20 +35,13 @@ class Part:
 
 @dataclass(frozen=True)
 class Proposal:
-    """tokens [N] long (rows 1..N); parents [1 + N] long, row 0 its own (device); shape: the verify's
-    Tree, None for one chain; q [N, V] float32 or None: row r's token was drawn from q[r - 1] (a
-    sampled chain; None: point masses); parts: the sources of the rows, in order."""
+    """A round's rows to verify after x_start, and where they came from."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    shape: Optional[Tree]
-    q: Optional[torch.Tensor]
-    parts: tuple[Part, ...]
-
-    @property
-    def rows(self) -> int:
-        """Verify rows: x_start and every proposed token."""
-        return 1 + self.tokens.shape[0]
+    tokens: torch.Tensor  # [N] long (rows 1..N)
+    parents: torch.Tensor  # [1 + N] long, row 0 its own (device)
+    shape: Optional[Tree]  # the verify's Tree, None for one chain
+    q: Optional[torch.Tensor]  # [N, V] float32: row r's token was drawn from q[r - 1] (None: point masses)
+    parts: tuple[Part, ...]  # the sources of the rows, in order
 
     def of(self, source: str) -> list[Part]:
         return [p for p in self.parts if p.source == source]
@@ -85,13 +78,9 @@ def best_first(tree, n: int, lookup: Optional[torch.Tensor]) -> Proposal:
     return Proposal(tokens, parents, shape, None, parts)
 
 
-def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Parent rows [1 + sum(lengths)] of chains under row 0 (row 0 its own). Cached by shape."""
-    return _branch_parents(tuple(lengths), torch.device(device))
-
-
 @functools.lru_cache(maxsize=1024)
-def _branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Parent rows [1 + sum(lengths)] of chains under row 0 (row 0 its own). Cached by shape (read-only)."""
     parents, first = [0], 1
     for length in lengths:
         parents += [0] + list(range(first, first + length - 1))
@@ -101,12 +90,11 @@ def _branch_parents(lengths: tuple[int, ...], device: torch.device) -> torch.Ten
 
 @dataclass(frozen=True)
 class Verdict:
-    """accepted: the path and the tokens to commit (engine.accept); features: the verify's target
-    features [1, T, n*H] (None without a draft), rows as the verify's; proposal: what was verified."""
+    """What a verify accepted."""
 
-    accepted: Accepted
-    features: Optional[torch.Tensor]
-    proposal: Proposal
+    accepted: Accepted  # the path and the tokens to commit (engine.accept)
+    features: Optional[torch.Tensor]  # the verify's target features [1, T, n*H] (None without a draft)
+    proposal: Proposal  # what was verified
 
     @property
     def tokens(self) -> list[int]:

@@ -1,22 +1,12 @@
-"""Who proposes a round's tokens, chosen once from the Decoding (`proposer_for`); the round (engine.round)
-asks it three things:
+"""Who proposes a round's tokens, chosen once from the Decoding (`proposer_for`; docs/design.md §1.5):
   plan(state, room, greedy)        -> Plan: K drafts (0: no draft forward), a tree's n nodes, a lookup
   propose(plan, block, x_start, …) -> Proposal (engine.proposal) from the draft block (z, u) and the lookup
   learn(plan, verdict, m, stats)   -> the stats, and auto-K's models (engine.policy, engine.tree_policy)
-
-- `PlainSteps` (`ar`): one target step a round.
-- `LookupSteps` (`ngram`): the prompt lookup is the draft; auto-K chooses its length.
-- `DraftChains` (`dflash`; `domino` on the chain shape, or sampled): the draft's chain, cut where its
-  confidence falls below `confidence_cut`; with ngram_assist a lookup hit replaces it or, forking
-  (greedy), is verified beside it; auto-K chooses (K, L) together (`choose_fork`), or K alone.
-- `BestFirstTrees` (`domino` greedy on best_first, the default; `dominotree`): DominoTree
-  (engine.domino_tree), of which auto-budget verifies the best n nodes (`choose_nodes`), a lookup beside it.
+`LookupSteps` (`ngram`; `ar`, no lookups), `DraftChains` (the draft's chain, cut at `confidence_cut`;
+auto-K chooses (K, L) by `choose_fork`, or K) and `BestFirstTrees` (DominoTree's best n nodes, by
+`choose_nodes`). A lookup hit replaces the draft or, forking (greedy only: sampled, one proposal a
+position), is verified beside it under row 0; the branch accepted furthest wins (the draft on a tie).
 Auto-K's models are fresh in every generation (`fresh`).
-
-A forking round verifies the draft's proposal and the lookup as branches of one forward under row 0;
-the branch accepted furthest wins (the draft on a tie: its rows are in place). Sampled, two proposals
-for one position would need multi-draft rejection, which the engine does not do: a sampled round
-verifies the draft alone, or a lookup alone.
 """
 
 from __future__ import annotations
@@ -35,21 +25,22 @@ from dominospec.engine.tree_policy import TreeModel, choose_nodes
 
 @dataclass(frozen=True)
 class Plan:
-    """drafts: K, the block's slots to draft from (0: no draft forward); nodes: a tree's n best nodes (0 in a
-    chain round); lookup: the prompt-lookup tokens to verify ([] none)."""
+    """What a round proposes from."""
 
-    drafts: int = 0
-    nodes: int = 0
-    lookup: list[int] = field(default_factory=list)
+    drafts: int = 0  # K, the block's slots to draft from (0: no draft forward)
+    nodes: int = 0  # a tree's n best nodes (0 in a chain round)
+    lookup: list[int] = field(default_factory=list)  # the prompt-lookup tokens to verify
 
 
 class Proposer:
-    """The shared part: K_max, lookups, auto-K's models and the measured round cost (`cost`)."""
+    """The shared part: K_max, lookups, auto-K's models and the measured round cost (`cost`); `head`
+    drafts the chains, `grower` grows DominoTree (engine.draft_path)."""
 
-    def __init__(self, num_draft: int, lookup_k_max: int, window: int, auto: bool, fork: bool = False,
-                 device: Optional[torch.device] = None):
-        self.num_draft, self.lookup_k_max, self.window, self.auto = num_draft, lookup_k_max, window, auto
-        self.fork, self.device = fork, device
+    def __init__(self, decoding: Decoding, device: torch.device, head: Any = None, grower: Any = None):
+        d = decoding
+        self.num_draft, self.lookup_k_max, self.window, self.auto = d.k_max, d.lookup.k_max, d.window, d.auto
+        self.fork, self.device, self.head, self.grower = d.lookup.fork, device, head, grower
+        self.confidence_cut, self.nodes = d.cut, d.nodes
         self.cost: Optional[RoundCost] = None  # auto-K: measured by the engine's `calibrate`
         self.fresh()
 
@@ -58,6 +49,11 @@ class Proposer:
         self.acceptance = AcceptanceModel(self.num_draft, self.window)
         self.lookup_acceptance: Optional[AcceptanceModel] = (AcceptanceModel(self.lookup_k_max, self.window)
                                                               if self.lookup_k_max else None)
+
+    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
+        """-> the round's Plan: a lookup alone when it replaces the draft, else the draft's (`plan_draft`)."""
+        lookup, fork = self.lookup(state, room, greedy)
+        return Plan(lookup=lookup) if lookup and not fork else self.plan_draft(lookup, room)
 
     def lookup(self, state: Any, room: int, greedy: bool) -> tuple[list[int], bool]:
         """-> (the prompt-lookup tokens this round may verify, [] without a hit or lookups; whether they
@@ -88,22 +84,9 @@ class Proposer:
         return n
 
 
-class PlainSteps(Proposer):
-    """`ar`: a plain target step a round."""
-
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        return Plan()
-
-    def propose(self, plan: Plan, block: Any, x_start: torch.Tensor, sampling: Sampling,
-                generator: Optional[torch.Generator]) -> Proposal:
-        return chains([], x_start)
-
-    def learn(self, plan: Plan, verdict: Verdict, m: int, stats: Any) -> None:
-        stats.record_round(0, m)
-
-
 class LookupSteps(Proposer):
-    """`ngram`: the prompt lookup is the draft (its acceptance is auto-K's one model)."""
+    """`ngram`: the prompt lookup is the draft (its acceptance is auto-K's one model); `ar`: no lookups, a
+    plain target step a round."""
 
     def fresh(self) -> None:
         super().fresh()
@@ -126,14 +109,7 @@ class LookupSteps(Proposer):
 class DraftChains(Proposer):
     """The draft's chain, and a lookup."""
 
-    def __init__(self, head: Any, confidence_cut: float, **shared: Any):
-        self.head, self.confidence_cut = head, confidence_cut
-        super().__init__(**shared)
-
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        lookup, fork = self.lookup(state, room, greedy)
-        if lookup and not fork:
-            return Plan(lookup=lookup)
+    def plan_draft(self, lookup: list[int], room: int) -> Plan:
         kd = min(self.num_draft, room)
         if not self.auto:
             return Plan(kd, 0, lookup)
@@ -183,20 +159,13 @@ class BestFirstTrees(Proposer):
     host) is solved once per REPLAN_ROUNDS rounds and kept for each lookup length seen meanwhile: the
     model moves by a few percent of its window a round, and on a small target the host bounds a round."""
 
-    def __init__(self, grower: Any, nodes: int, **shared: Any):
-        self.grower, self.nodes = grower, nodes
-        super().__init__(**shared)
-
     def fresh(self) -> None:
         super().fresh()
         self.tree_model = TreeModel(self.nodes, self.num_draft, self.window)
         self.plans: dict[int, tuple[int, int]] = {}  # lookup length -> (n, K_l), since the last re-solve
         self.since_solve = 0  # rounds the model has learned since `plans` was cleared
 
-    def plan(self, state: Any, room: int, greedy: bool) -> Plan:
-        lookup, fork = self.lookup(state, room, greedy)
-        if lookup and not fork:
-            return Plan(lookup=lookup)
+    def plan_draft(self, lookup: list[int], room: int) -> Plan:
         K = min(self.num_draft, room)
         if K == 0:
             return Plan(lookup=lookup)
@@ -246,12 +215,8 @@ class BestFirstTrees(Proposer):
 def proposer_for(decoding: Decoding, head: Any, grower: Any, device: torch.device, sampled: bool = False) -> Proposer:
     """The engine's proposer for greedy (or `sampled`) requests, chosen once from its Decoding
     (engine.decoding): DominoTree's build (engine.draft_path) unless a sampled `domino` drafts the
-    head's chain, the head's chain, the lookup alone, or plain steps."""
+    head's chain, the head's chain, or the lookup alone (none: plain steps)."""
     d = decoding
-    shared = dict(num_draft=d.k_max, lookup_k_max=d.lookup.k_max, window=d.window, auto=d.auto, fork=d.lookup.fork,
-                  device=device)
     if d.tree and not (sampled and d.sampled_chain):
-        return BestFirstTrees(grower, d.nodes, **shared)
-    if d.drafting:
-        return DraftChains(head, d.cut, **shared)
-    return (LookupSteps if d.lookup.k_max else PlainSteps)(**shared)
+        return BestFirstTrees(d, device, head, grower)
+    return (DraftChains if d.drafting else LookupSteps)(d, device, head, grower)

@@ -1,12 +1,8 @@
-"""One round: plan -> draft block -> proposal -> one verify -> acceptance -> commit -> learn.
-
-At its start the target KV holds positions 0..start-1 and x_start, the last committed token, sits at
-`start`; the draft context plus the target features waiting to be appended to it (`pending`) hold the
-same rows. The proposer plans (K = 0: no draft forward); the draft block runs over [x_start, MASK x
-(B-1)] at start..start+B-1, the pending features appended first -> z [K, H], u [K, V]; the proposer
-proposes (engine.proposal); one target forward verifies [x_start, the proposal] with ancestors-only
-attention and the draft's target-layer features, and engine.accept accepts; with m tokens committed the
-accepted rows move into place, the target KV is cropped to start + m, their features pend for the draft.
+"""One round (docs/design.md §1.5): plan -> draft block -> proposal -> one verify -> acceptance -> commit
+-> learn. At its start the target KV holds positions 0..start-1 and x_start sits at `start`; the draft
+context plus the features pending for it hold the same rows. The block runs [x_start, MASK x (B-1)] at
+start..start+B-1 (pending features appended first) -> z [K, H], u [K, V]; with m tokens committed the
+accepted rows move into place, the KV is cropped to start + m, their features pend for the draft.
 After every round: target KV length == draft context + pending == prompt + emitted - 1.
 """
 

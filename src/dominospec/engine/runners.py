@@ -1,12 +1,8 @@
 """The runners one engine decodes on, as its Decoding says: `EngineRunners.pair(rows)` -> (target runner,
-draft runner or None), reset, for a generation of at most `rows` positions.
-
-- static caches (Decoding.static) when `rows` fit `capacity`: the smallest capacity bucket that holds
-  them (`static_buckets`), built on first use and kept; their CUDA graphs (Decoding.graphs) captured
-  on first use of a shape, or beforehand by `capture`; the lean decoder (Decoding.lean) replaces
-  transformers' forward on them;
-- dynamic caches otherwise (a longer generation, or `cuda_graphs: off`).
-`graph_failures` names every shape whose capture failed (the runners' and the draft path's holder).
+draft runner or None), reset, for a generation of at most `rows` positions: static caches (Decoding.static)
+of the smallest capacity bucket that holds them (`static_buckets`), built on first use and kept, their
+CUDA graphs (Decoding.graphs) captured on first use or by `capture`, on the lean decoder when
+Decoding.lean; dynamic caches otherwise. `graph_failures` names every shape whose capture failed.
 """
 
 from __future__ import annotations
@@ -18,10 +14,10 @@ import torch
 from dominospec.engine.decoding import Decoding
 from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
 from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
-from dominospec.engine.lean_kv import LeanTargetKV
+from dominospec.engine.lean_kv import LeanForward
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
-from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
 from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.target import Target
 
@@ -96,10 +92,8 @@ class EngineRunners:
 
     def build(self, capacity: int) -> tuple[TargetRunner, Optional[DraftRunner]]:
         """The static runners of one capacity bucket."""
-        if self.lean is not None:
-            kv = LeanTargetKV(self.lean, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
-        else:
-            kv = StaticTargetKV(self.model, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
+        forward = LeanForward(self.lean) if self.lean is not None else HFForward(self.model)
+        kv = StaticTargetKV(forward, self.layer_ids, capacity, self.max_rows, graphs=self.graphs)
         if self.draft is None:
             return kv, None
         runner, backbone = (LeanDraftBlock, self.lean_draft) if self.lean_draft else (StaticDraftBlock, self.draft)

@@ -1,14 +1,10 @@
 """Speculative decoding at batch size 1: `SpecEngine(target, draft, mode, num_draft, params)`, one per
-(target, draft, mode); `generate(prompt ids) -> Generation`.
-
-Resolve once (engine.decoding: the modes, what each drafts): (mode, num_draft, params, target, draft)
-become a frozen `Decoding`, and nothing after it reads the mode or the params. From it: the draft path
-(engine.draft_path), the proposers (engine.proposers; a `domino` engine keeps a second one for sampled
-requests, its chain) and the runners (engine.runners). Every round is engine.round's. Invariant
-between rounds: target KV length == draft context + pending features == prompt + emitted - 1; x_start,
-the last committed token, has no target KV yet. `num_draft` = K_max (None: B - 1; ngram:
-ngram_num_draft) or "auto": K in 0..K_max chosen every round (engine.policy) from the round cost
-measured on the first prompt (`calibrate`) and the generation's recent acceptance.
+(target, draft, mode); `generate(prompt ids) -> Generation` (docs/design.md §1.5). The resolve step
+(engine.decoding) makes the frozen `Decoding`; from it the draft path, the proposers (a `domino` engine
+keeps a second for sampled requests) and the runners; every round is engine.round's. Between rounds:
+target KV length == draft context + pending features == prompt + emitted - 1 (x_start, the last
+committed token, has no KV yet). `num_draft`: K_max (None: B - 1; ngram: ngram_num_draft) or "auto",
+K in 0..K_max chosen every round (engine.policy) from the cost measured on the first prompt (`calibrate`).
 """
 
 from __future__ import annotations

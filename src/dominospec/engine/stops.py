@@ -1,18 +1,15 @@
 """When generation stops, and its text: end-of-sequence tokens, stop strings, the token budget.
 
-The stop tokens are the tokenizer's EOS, the model's `generation_config.eos_token_id` (an id or a list)
-and the special token that closes an assistant turn in the chat template (SmolLM2 and Qwen:
-`<|im_end|>`, Llama 3: `<|eot_id|>`), found by rendering a short exchange; a stop token is part of the
-output ids. Stop strings cut the text (`cut_at_stop_string`), which `IncrementalDetokenizer` keeps at
-O(new tokens) a step (the offsets scheme of TGI / vLLM): only the tokens since `prefix_offset` (a few
-already in the text, the decoder's left context) are decoded, with and without the new ones; the
-difference is the new text, released unless it ends in U+FFFD (bytes still missing). Invariant:
-`text` == decode(tokens[:read_offset]) (byte-level BPE and SentencePiece; tests/engine/test_detok.py).
+The stop tokens: the tokenizer's EOS, the model's `generation_config.eos_token_id` and the chat template's
+end-of-turn token (`<|im_end|>`, `<|eot_id|>`), found by rendering a short exchange; a stop token is part
+of the output ids. `IncrementalDetokenizer` keeps stop strings at O(new tokens) a step (TGI / vLLM's
+offsets): it decodes the tokens since `prefix_offset` with and without the new ones and releases the
+difference unless it ends in U+FFFD. Invariant: `text` == decode(tokens[:read_offset]).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def end_of_turn_id(tokenizer: Any) -> Optional[int]:
@@ -44,11 +41,6 @@ def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(t) for t in candidates if t is not None))
 
 
-def first_stop_token(tokens: Iterable[int], stop_ids: frozenset[int]) -> Optional[int]:
-    """Token ids -> index of the first stop token, or None."""
-    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-
-
 def cut_at_stop_string(text: str, stop_strings: tuple[str, ...], search_from: int = 0) -> Optional[int]:
     """Decoded text -> index where the earliest stop string starts (at or after `search_from`), or None."""
     hits = [i for s in stop_strings if (i := text.find(s, search_from)) >= 0]
@@ -58,7 +50,7 @@ def cut_at_stop_string(text: str, stop_strings: tuple[str, ...], search_from: in
 def admit(tokens: list[int], proposed: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
     """How many of `proposed` may follow `tokens` within `budget` new tokens -> (count, finish reason or None)."""
     room = budget - len(tokens)
-    stop = first_stop_token(proposed[:room], stop_ids)
+    stop = next((i for i, t in enumerate(proposed[:room]) if t in stop_ids), None)  # the first stop token
     if stop is not None:
         return stop + 1, "stop_token"
     if len(proposed) >= room:

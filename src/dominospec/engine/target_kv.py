@@ -3,18 +3,19 @@ forward(ids [1, T], keep, tree) -> (logits [1, keep, V], features [1, T, n*H] or
 appended after the `length` cached ones, at positions length + depth (a chain without a tree).
 
 - `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
-- `StaticTargetKV`: a `StaticCache` of `capacity` rows written in place with an explicit mask
-  [1, 1, T, capacity] (the columns before `start`, and the tree's visible rows), one fixed shape per T:
-  T <= `max_rows` replays a CUDA graph (engine.graphs), the tree an input buffer; the prefill is eager.
-  Crop moves `length` only: rows past it are masked, then overwritten.
-The write position: transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`),
-older releases at `cache_position`; each forward sets both from one device scalar (`start`) inside
-the graph, so a replay never depends on what the previous one left.
+- `StaticTargetKV`: a cache of `capacity` rows written in place by its forward, `HFForward`
+  (transformers' `StaticCache`, the rows' visibility [T, T] bool) or `LeanForward` (engine.lean_kv,
+  bitmask rows). T <= `max_rows` rows replay their row bucket's CUDA graph over static inputs (ids,
+  depths, visibility, the write position `start`); a padded row sees only itself and writes past the
+  real rows. The prompt runs eagerly. Crop moves `length` only: later rows are masked, then overwritten.
+transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`), older releases at
+`cache_position`: `HFForward` sets both from `start` inside the graph.
 """
 
 from __future__ import annotations
 
 import inspect
+from bisect import bisect_left
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from transformers import DynamicCache
 
 from dominospec.cache.tap import FeatureTap
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length, move_rows
+from dominospec.engine.kv import cache_argument, crop_kv, kv_length, layer_tensors, move_rows
 from dominospec.engine.verify_shape import Tree, chain_tree
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -59,78 +60,121 @@ class DynamicTargetKV:
         return out.logits, tap.features()
 
     def select(self, rows: list[int]) -> None:
-        move_rows(self.cache, self.start, rows)
+        move_rows(layer_tensors(self.cache), self.start, rows)
 
     def crop(self, n: int) -> None:
         crop_kv(self.cache, n)
 
 
 class StaticTargetKV(FixedRows):
-    """Forwards on a `StaticCache` of `capacity` rows; T <= `max_rows` rows replay a CUDA graph when `graphs`."""
+    """Forwards of `forward` (`HFForward` or engine.lean_kv's `LeanForward`) on its cache of `capacity` rows;
+    T <= `max_rows` rows replay the CUDA graph of their row bucket when `graphs` (module docstring)."""
 
     what = "static KV cache"
 
-    def __init__(self, model: Any, layer_ids: Sequence[int], capacity: int, max_rows: int, graphs: bool):
-        from transformers import StaticCache
-
+    def __init__(self, forward: Any, layer_ids: Sequence[int], capacity: int, max_rows: int, graphs: bool):
         super().__init__(capacity)
-        self.model, self.layer_ids, self.max_rows = model, list(layer_ids), max_rows
-        self.device = next(model.parameters()).device
-        self.cache_arg = cache_argument(model)
-        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
-        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        self.columns = torch.arange(capacity, device=self.device)  # [L]
-        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # first position written
-        self.first = 0
-        self.buckets = list(range(1, max_rows + 1))  # the row counts that have a graph: every one
-        self.ids = {T: torch.zeros(1, T, dtype=torch.long, device=self.device) for T in self.buckets}
-        self.chains = {T: chain_tree(T, self.device) for T in self.buckets}
-        self.trees = {T: Tree(c.depth.clone(), c.visible.clone()) for T, c in self.chains.items()}  # graph inputs (no bits: the mask is built from visible)
-        self.holds_chain = {T: True for T in self.trees}  # trees[T] holds chains[T]: a chain forward copies nothing
+        self.fwd, self.layer_ids, self.max_rows = forward, list(layer_ids), max_rows
+        device = forward.device
+        self.buckets = forward.bind(capacity, max_rows)  # the row counts that have a graph, the last max_rows
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # cache row of this forward's row 0
+        self.first = 0  # the same, on the host (select)
+        self.ids = {B: torch.zeros(1, B, dtype=torch.long, device=device) for B in self.buckets}
+        self.chains = {B: (c.depth, forward.visibility(c)) for B in self.buckets for c in [chain_tree(B, device)]}
+        self.depth = {B: depth.clone() for B, (depth, _) in self.chains.items()}  # graph inputs
+        self.visible = {B: visible.clone() for B, (_, visible) in self.chains.items()}
+        self.holds_chain = dict.fromkeys(self.buckets, True)  # the inputs hold the chain's: a chain copies nothing
         self.graphs = ShapeGraphs(self._step, enabled=graphs)
 
     def forward(self, ids: torch.Tensor, keep: int, tree: Optional[Tree] = None) -> Output:
         T = ids.shape[1]
-        self.check_room(T)
+        at = bisect_left(self.buckets, T)
+        B = self.buckets[at] if at < len(self.buckets) else None  # the row bucket; None: a prompt, eager
+        self.check_room(T if B is None else B)  # padded rows write past the real ones
         self.start.fill_(self.length)
-        self.first = self.length  # the same, on the host (select)
-        if T > self.max_rows:  # prefill: eager, one shape per prompt length
-            logits, features = self._forward(ids, keep, tree or chain_tree(T, self.device))
+        self.first = self.length
+        if B is None:
+            logits, features = self.fwd.prefill(self, ids, keep, tree)
         else:
-            self.ids[T].copy_(ids)
-            if tree is not None or not self.holds_chain[T]:  # only a fork, or the chain after one, rewrites the tree
-                shape = tree or self.chains[T]
-                self.trees[T].depth.copy_(shape.depth)
-                self.trees[T].visible.copy_(shape.mask())
-                self.holds_chain[T] = tree is None
-            logits, features = self.graphs.run(T)
-            logits = logits[:, T - keep:]
-            features = features.clone() if features is not None else None  # the next replay overwrites it
+            self.ids[B][:, :T].copy_(ids)
+            self.load_shape(B, T, tree)
+            logits, features = self.graphs.run(B)  # [1, B, V], [1, B, n*H] or None
+            logits = logits[:, T - keep:T]
+            features = features[:, :T].clone() if features is not None else None  # the next replay overwrites it
         self.length += T
         return logits, features
 
+    def load_shape(self, B: int, T: int, tree: Optional[Tree]) -> None:
+        """Bucket B's graph inputs <- the depths and visibility of the chain of T rows or of `tree`, rows
+        T..B-1 each seeing itself alone; copied only when they change."""
+        if tree is None and B == T:
+            if not self.holds_chain[B]:
+                self.depth[B].copy_(self.chains[B][0])
+                self.visible[B].copy_(self.chains[B][1])
+                self.holds_chain[B] = True
+            return
+        depth, visible = (tree.depth, self.fwd.visibility(tree)) if tree is not None else \
+            (self.chains[B][0][:T], self.chains[B][1][:T])
+        if B > T:
+            self.depth[B].zero_()
+            self.visible[B].copy_(self.fwd.alone[B])
+        self.depth[B][:T].copy_(depth)
+        self.visible[B][:T, :visible.shape[1]].copy_(visible)
+        self.holds_chain[B] = False
+
     def select(self, rows: list[int]) -> None:
-        move_rows(self.cache, self.first, rows)
+        move_rows(self.fwd.tensors(), self.first, rows)
 
-    def _step(self, T: int):
-        """T -> the graph's function: the forward of the static buffers `ids[T]`, `trees[T]` at `start`."""
-        return lambda: self._forward(self.ids[T], T, self.trees[T])
+    def _step(self, B: int):
+        """B -> the graph's function: the forward of bucket B's static inputs at `start`."""
+        return lambda: self.fwd.rows(self, self.ids[B], self.depth[B], self.visible[B])
 
-    def _forward(self, ids: torch.Tensor, keep: int, tree: Tree) -> Output:
-        """ids [1, T] at positions start + tree.depth -> logits [1, keep, V], features; only tensor
-        ops on static buffers (capturable)."""
-        T = ids.shape[1]
-        positions = self.start + tree.depth  # [T]
+
+class HFForward:
+    """transformers' forward on a `StaticCache`, a `StaticTargetKV`'s: a row bucket for every T, the
+    rows' visibility [T, T] bool, masked over all `capacity` columns."""
+
+    def __init__(self, model: Any):
+        self.model, self.device = model, next(model.parameters()).device
+        self.cache_arg = cache_argument(model)
+        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.alone: dict = {}  # no padded rows
+
+    def bind(self, capacity: int, max_rows: int) -> list[int]:
+        """The cache of `capacity` rows -> the row buckets: every T <= max_rows."""
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+        self.columns = torch.arange(capacity, device=self.device)  # [L]
+        return list(range(1, max_rows + 1))
+
+    @staticmethod
+    def visibility(tree: Tree) -> torch.Tensor:
+        return tree.mask()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return layer_tensors(self.cache)
+
+    def prefill(self, kv: StaticTargetKV, ids: torch.Tensor, keep: int, tree: Optional[Tree]) -> Output:
+        tree = tree or chain_tree(ids.shape[1], self.device)
+        return self.rows(kv, ids, tree.depth, tree.mask(), keep)
+
+    def rows(self, kv: StaticTargetKV, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
+             keep: Optional[int] = None) -> Output:
+        """ids [1, T] at positions start + depth [T], visible [T, T] -> logits [1, keep (T), V], features;
+        only tensor ops on static buffers (capturable)."""
+        T, start = ids.shape[1], kv.start
+        positions = start + depth  # [T]
         for counter in self._counters():
-            counter.copy_(self.start)
-        rel = self.columns - self.start  # [L]: column -> row of this forward (< 0: cached before it)
-        own = tree.mask().gather(1, rel.clamp(0, T - 1)[None, :].expand(T, -1))  # [T, L]
+            counter.copy_(start)
+        rel = self.columns - start  # [L]: column -> row of this forward (< 0: cached before it)
+        own = visible.gather(1, rel.clamp(0, T - 1)[None, :].expand(T, -1))  # [T, L]
         mask = ((rel < 0)[None, :] | (own & (rel < T)[None, :]))[None, None]  # [1, 1, T, L], True = attend
         kwargs = {self.cache_arg: self.cache, "position_ids": positions[None], "attention_mask": mask,
-                  "use_cache": True, "logits_to_keep": keep}
+                  "use_cache": True, "logits_to_keep": T if keep is None else keep}
         if self.takes_cache_position:
             kwargs["cache_position"] = positions
-        tap = FeatureTap(self.layer_ids)
+        tap = FeatureTap(kv.layer_ids)
         with tap.hooked(self.model):
             out = self.model(input_ids=ids, **kwargs)
         return out.logits, tap.features()

@@ -1,25 +1,18 @@
-"""Auto-budget for DominoTree: how many of the tree's best nodes a round verifies.
+"""Auto-budget for DominoTree (docs/design.md §1.6): how many of the tree's best nodes a round verifies.
 
-A round grows the tree's whole budget of N nodes (engine.domino_tree; its cost is one build,
-whatever is verified) and verifies its best n of them, n = 0..N (0: no draft forward at all).
-The best n nodes are a tree of their own, so one verified round tells what every smaller budget
-would have accepted: the accepted path's nodes are ranks r_1 < r_2 < ... (their places in the
-best-first order, parents first), and the best n nodes accept the path's first k nodes iff
-r_k < n.
+A round grows all N nodes (one build) and verifies its best n = 0..N (0: no draft forward). The best n
+nodes are a tree, so one verified round tells what every smaller budget would have accepted: with the
+accepted path's nodes at ranks r_1 < r_2 < ..., the best n accept its first k nodes iff r_k < n.
 
-`TreeModel` keeps decayed counts (a window of W rounds, as auto-K's chain model) of
-h[r][k] = rounds in which the node of rank r was the accepted path's node at depth k, over the
-rounds whose verified tree held rank r. The survival of the tree of budget n at depth k is then
-s_k(n) = P(the best n nodes accept >= k drafts) = sum_{r < n} h[r][k] / tried[r] (one path node a
-depth). An unseen (or long unverified) rank is assumed as good as the rank before it (rank 0: a
-first draft accepted half the time): the prior is optimistic, so budgets that have not been
-tried lately get tried again; the counts then correct it. (The draft's own path probabilities
-are no such estimate: they over-credit the conditional draft, and an adaptive budget built on
-them saturates at its maximum.)
+`TreeModel` keeps counts decayed over a window of W rounds: h[r][k], rounds whose accepted path's
+depth-k node had rank r, over tried[r], rounds whose verified tree held rank r. The survival of budget
+n is s_k(n) = P(the best n nodes accept >= k drafts) = sum_{r < n} h[r][k] / tried[r]. An unseen rank
+is assumed as good as the one before (rank 0: PRIOR), an optimistic prior that retries budgets not
+tried lately. (The draft's path probabilities over-credit it: a budget built on them saturates.)
 
-`choose_nodes` picks (n, K_l) with the most expected tokens per ms over the grid, a lookup of
-K_l tokens verified beside the tree as if independent of it (engine.policy's rule):
-E = 1 + sum_k s_k(n) + sum_{k <= K_l} (1 - s_k(n)) l_k, against `RoundCost.best_first_ms`.
+`choose_nodes` picks (n, K_l) with the most expected tokens per ms, a lookup of K_l tokens beside the
+tree taken as independent (engine.policy): E = 1 + sum_k s_k(n) + sum_{k <= K_l} (1 - s_k(n)) l_k,
+against `RoundCost.best_first_ms`.
 """
 
 from __future__ import annotations
@@ -60,13 +53,9 @@ class TreeModel:
 
     def rank_shares(self) -> np.ndarray:
         """-> [N, depth]: the estimated share of rounds in which rank r was the path's depth-k node,
-        share[r] = (hit[r] + w share[r-1]) / (tried[r] + w), share[-1] = the prior (a first draft
-        PRIOR of the time).
-
-        The recurrence share[r] = a[r] + b[r] share[r-1] (a = hit / (tried + w), b = w / (tried + w)
-        in (0, 1]) is solved in blocks of BLOCK ranks: inside a block, share = M a + P share_in with
-        M[i, j] = b[j+1] ... b[i] (j <= i) and P[i] = b[0] ... b[i], from log-cumsums whose
-        differences are <= 0 (no overflow); the blocks then chain one after another."""
+        share[r] = (hit[r] + w share[r-1]) / (tried[r] + w), share[-1] = the prior. The recurrence
+        share[r] = a[r] + b[r] share[r-1] is solved in blocks of BLOCK ranks (share = M a + P share_in,
+        M[i, j] = b[j+1] ... b[i], P[i] = b[0] ... b[i], from log-cumsums of differences <= 0)."""
         B, N, D = self.BLOCK, self.nodes, self.depth
         den = self.tried + PRIOR_WEIGHT
         blocks, pad = -(-N // B), -N % B

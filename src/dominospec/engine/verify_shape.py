@@ -1,13 +1,10 @@
 """The shape of a verify forward: each row's depth and the rows it sees (`Tree`).
 
-Row 0 is x_start at position `start`, every other row a proposed token at start + its depth; a row
-attends to the committed context, itself and its ancestors. The runners take the shape as it is, the
-proposal builds it:
-- one chain (`chain_tree`): row i at depth i, seeing rows 0..i;
-- branches under row 0 (`branch_tree`, a fork): each row sees row 0 and the rows before it in its own
-  branch, so each branch gets the logits a chain of its own would (up to a wider forward's rounding);
-- DominoTree's nodes (engine.domino_tree), which write their own bitmask (`pack_bits`).
-The lean verify reads visibility as int64 bitmask words a row (`Tree.bits`), up to MAX_TREE_ROWS rows.
+Row 0 is x_start at position `start`, every other row a proposed token at start + its depth, seeing the
+committed context, itself and its ancestors. The proposal builds it, the runners take it as it is: one
+chain (`chain_tree`: row i at depth i, seeing rows 0..i); branches under row 0 (`branch_tree`, a fork:
+each branch gets the logits a chain of its own would, up to rounding); DominoTree's nodes, which write
+their own bitmask (`pack_bits`, int64 words a row, the lean verify's format, up to MAX_TREE_ROWS rows).
 """
 
 from __future__ import annotations
@@ -24,17 +21,16 @@ MAX_TREE_ROWS = 320  # rows of one lean verify: x_start, 256 tree nodes and a lo
 
 @dataclass(frozen=True)
 class Tree:
-    """A verify of T rows: depth [T] long (position = start + depth); visible [T, T] bool (row i attends
-    to row j; always to itself); bits [T, words_for(T)] int64, `visible` as bit j % 64 of word j // 64
-    (T <= MAX_TREE_ROWS). One of the two may be None: `mask()` reads either."""
+    """A verify of T rows; `visible` or `bits` may be None: `mask()` reads either."""
 
-    depth: torch.Tensor
-    visible: Optional[torch.Tensor]
-    bits: Optional[torch.Tensor] = None
+    depth: torch.Tensor  # [T] long: position = start + depth
+    visible: Optional[torch.Tensor]  # [T, T] bool: row i attends to row j (always to itself)
+    bits: Optional[torch.Tensor] = None  # [T, words_for(T)] int64: visible[i, j] as bit j % 64 of word j // 64
 
     @staticmethod
     def of(depth: torch.Tensor, visible: torch.Tensor) -> "Tree":
-        return Tree(depth, visible, visibility_bits(visible))
+        """depth [T], visible [T, T] -> the Tree, its bitmask too (None past MAX_TREE_ROWS)."""
+        return Tree(depth, visible, None if visible.shape[-1] > MAX_TREE_ROWS else pack_bits(visible))
 
     def mask(self) -> torch.Tensor:
         """visible [T, T] bool, unpacked from `bits` when the tree was built as a bitmask alone."""
@@ -48,12 +44,6 @@ class Tree:
 def words_for(rows: int) -> int:
     """int64 words of a row's visibility bitmask over `rows` rows."""
     return -(-rows // 64)
-
-
-def visibility_bits(visible: torch.Tensor) -> Optional[torch.Tensor]:
-    """visible [T, T] bool -> its bitmask (`pack_bits`, kernels.tree_attention's format), None past MAX_TREE_ROWS."""
-    T = visible.shape[-1]
-    return None if T > MAX_TREE_ROWS else pack_bits(visible)
 
 
 def pack_bits(visible: torch.Tensor) -> torch.Tensor:
