@@ -28,8 +28,8 @@ image lacks, with the dependencies of theirs it lacks too (pip's --no-deps: each
 
 there, in the checkout (the package itself installed without dependencies, next to the wheels):
 
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/*.whl . \
-        && export PYTHONPATH=/tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site-packages .whl/*.whl . \
+        && export PYTHONPATH=/tmp/site-packages
     python3 benchmarks/ddp_scaling.py --params params/smollm2-h200.yaml --data .carry/recipe \
         --gguf-dir .carry/gguf --devices 2 --steps 400 --work /tmp/ddp --set prepare.num_proc=8
 

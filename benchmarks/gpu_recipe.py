@@ -39,7 +39,9 @@ MLFLOW_ALLOW_FILE_STORE=true logs to a file store instead. A GPU image without `
 manylinux2014_x86_64 ... datasets==5.2.0 mlflow-skinny==3.17.2` resolves about 16 MB of wheels
 once the packages the image already has are dropped (dill, multiprocess, pydantic, fastapi,
 opentelemetry, databricks-sdk and gitpython remain), installed there with `pip install --no-deps
---target`. Every stage runs in this one process, so each must leave global torch state as it
+--target DIR/site-packages`: the folder's name must hold `site-packages`, or dill (which `datasets`
+fingerprints every table with) pickles the packages installed there by value and fails on pyarrow's
+`MonthDayNano` ("not found as builtins.MonthDayNano"). Every stage runs in this one process, so each must leave global torch state as it
 found it (train and evaluate restore the fp32 matmul precision they set).
 """
 

@@ -127,3 +127,36 @@ def test_the_clock_keys_do_not_restart_a_run():
     assert run_fingerprint(dataclasses.replace(params, train=clock), "d") == run_fingerprint(params, "d")
     assert run_fingerprint(dataclasses.replace(params, train=kernels), "d") == run_fingerprint(params, "d")
     assert run_fingerprint(dataclasses.replace(params, train=loss), "d") != run_fingerprint(params, "d")
+
+
+def test_a_run_the_clock_stops_ends_with_its_schedules_run_down(tiny_cache, tmp_path):
+    """With train.max_minutes far short of max_steps, the LR's warm-up and cosine and the lambda
+    curriculum follow the budget spent: the LR peaks and falls back, and lambda reaches 0, where on
+    steps alone (a few of 10,000) the LR would still be warming up and lambda near 1."""
+    import yaml
+
+    params = run_params(tiny_cache, tmp_path, max_steps=NEVER, val_every_steps=NEVER, max_minutes=0.05,
+                        warmup_fraction=0.1, lambda_decay_fraction=0.5)
+    train(load_params(params))
+    lr = yaml.safe_load(params.read_text())["train"]["lr"]
+    with open(tmp_path / "plots" / "train_curve.csv") as f:
+        rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    steps = json.loads((tmp_path / "metrics" / "train.json").read_text())["steps"]
+    assert 10 <= steps < NEVER and len(rows) >= 10
+    lrs = [r["lr"] for r in rows]
+    assert max(lrs) >= 0.9 * lr  # warmed up on the clock (on steps: at most steps / 1,000 of lr)
+    assert lrs[-1] <= 0.35 * lr and lrs[-1] < max(lrs)  # and decayed: the last step is in the cosine's last fifth
+    assert rows[-1]["lambda"] == 0.0 and rows[0]["lambda"] > 0.5
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_stops_at_the_clock_s_step(tiny_cache, tmp_path):
+    """Two CPU ranks (gloo) read one clock, reduced a step: both stop at the same step, or the first
+    to stop would leave the other waiting in its gradient all-reduce until the timeout."""
+    params = run_params(tiny_cache, tmp_path, max_steps=NEVER, val_every_steps=NEVER, max_minutes=0.01,
+                        strategy="ddp", devices=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(REPO / "pipeline" / "train.py"), "--params", str(params)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 1 <= json.loads((tmp_path / "metrics" / "train.json").read_text())["steps"] < NEVER

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -96,6 +96,9 @@ class DraftLitModule(L.LightningModule):
         self.last_summary: dict[str, Any] = {}
         self._row_ce: Any = None  # train.ce_kernel, resolved on the device of the first step
         self._distill_kernel: Optional[str] = None  # train.distill_kernel, likewise
+        # train.max_minutes: the fraction of the time budget spent, the same on every rank (timed.TimeBudget
+        # sets it); None = the schedule runs on steps alone
+        self.budget_spent: Optional[Callable[[], float]] = None
 
     # ---- frozen target parts -------------------------------------------------------------------
 
@@ -160,9 +163,17 @@ class DraftLitModule(L.LightningModule):
         """Anchors are a function of (seed, step, rank): a resumed run draws what it would have drawn."""
         return torch.Generator().manual_seed(self.hp.seed * 1_000_003 + salt * 7919 + self.global_rank)
 
+    def schedule_step(self, step: int) -> float:
+        """Optimiser step -> where the schedules (LR, lambda) stand, in steps of max_steps: the step itself,
+        or with a time budget the larger of it and the budget's spent fraction of max_steps, so a run the
+        clock stops ends with its LR and curriculum run down as a run of max_steps does."""
+        if self.budget_spent is None:
+            return step
+        return max(float(step), self.budget_spent() * self.trainer.max_steps)
+
     def curriculum(self) -> float:
         """lambda at the current optimiser step (1 -> 0 over lambda_decay_fraction of max_steps)."""
-        return curriculum_lambda(self.global_step, self.trainer.max_steps, self.hp.lambda_decay_fraction)
+        return curriculum_lambda(self.schedule_step(self.global_step), self.trainer.max_steps, self.hp.lambda_decay_fraction)
 
     def row_ce(self):
         """The per-row cross-entropy of the loss (train.ce_kernel on this module's device)."""
@@ -343,13 +354,14 @@ class DraftLitModule(L.LightningModule):
     # ---- optimisation --------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW on the draft's parameters; linear warm-up then cosine to lr * min_lr_ratio."""
+        """AdamW on the draft's parameters; linear warm-up then cosine to lr * min_lr_ratio (on `schedule_step`)."""
         hp = self.hp
         opt = torch.optim.AdamW(self.draft.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
         total = max(1, self.trainer.max_steps)
         warmup = max(1, int(hp.warmup_fraction * total))
 
         def factor(step: int) -> float:
+            step = self.schedule_step(step)
             if step < warmup:
                 return (step + 1) / warmup
             progress = min(1.0, (step - warmup) / max(1, total - warmup))

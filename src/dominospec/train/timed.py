@@ -56,16 +56,34 @@ class TimedCheckpoint(Checkpoint):
 
 class TimeBudget(L.Callback):
     """Ends training once its wall time (CurveRecorder's clock, continued by a resumed run) reaches
-    `minutes`: the run finishes as at max_steps (final outputs written); the LR stays where the step
-    schedule had it. Every rank stops at the same step (the decision is reduced)."""
+    `minutes`: the run finishes as at max_steps (final outputs written). The fraction spent drives the
+    module's schedules (`DraftLitModule.schedule_step`), so the LR and the curriculum are run down by
+    the end whichever of the two stops the run. The clock is reduced (max over ranks) once a step, so
+    every rank reads the same fraction and stops at the same step."""
 
     def __init__(self, minutes: float, curves: CurveRecorder) -> None:
         self.seconds, self.curves = 60.0 * minutes, curves
+        self.spent_seconds = 0.0
+
+    def fraction(self) -> float:
+        """The budget spent at the last step's end, in [0, 1]."""
+        return min(1.0, self.spent_seconds / self.seconds)
+
+    def _tick(self, trainer: L.Trainer) -> None:
+        elapsed = torch.tensor(self.curves.elapsed(), dtype=torch.float64, device=trainer.strategy.root_device)
+        self.spent_seconds = float(trainer.strategy.reduce(elapsed, reduce_op="max"))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._tick(trainer)  # a resumed run's schedule starts where its clock stood
+        pl_module.budget_spent = self.fraction
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        spent = self.curves.elapsed() >= self.seconds
-        if trainer.strategy.reduce_boolean_decision(spent, all=False):
+        self._tick(trainer)
+        if self.spent_seconds >= self.seconds:
             trainer.should_stop = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.budget_spent = None
 
 
 class WalkClock(L.Callback):
