@@ -19,11 +19,11 @@ M = 99  # mask token id in the hand-written examples
 def test_labels_gru_inputs_and_positions_are_aligned():
     x = torch.arange(10, 20)  # x[t] = 10 + t, so x[t+1] = x[t] + 1
     loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
-    anchors = torch.tensor([2, 7])
-    assert O.block_inputs(x, anchors, 4, M).tolist() == [[12, M, M, M], [17, M, M, M]]
-    assert O.block_positions(anchors, 4).tolist() == [[2, 3, 4, 5], [7, 8, 9, 10]]
-    assert O.gru_inputs(x, anchors, 4).tolist() == [[12, 13, 14, 15], [17, 18, 19, 19]]
-    labels, label_mask = O.block_labels(x, loss_mask, anchors, 4)
+    blocks = O.make_blocks(x[None], loss_mask[None], 0, 4, M, anchors=[torch.tensor([2, 7])])
+    assert blocks.block_ids[0].tolist() == [[12, M, M, M], [17, M, M, M]]
+    assert blocks.positions[0].tolist() == [[2, 3, 4, 5], [7, 8, 9, 10]]
+    assert blocks.gru_ids[0].tolist() == [[12, 13, 14, 15], [17, 18, 19, 19]]
+    labels, label_mask = blocks.labels[0], blocks.label_mask[0]
     assert labels[0].tolist() == [13, 14, 15, 16]
     assert label_mask[0].tolist() == [True, True, True, False]  # x[6] is not supervised
     assert labels[1, :2].tolist() == [18, 19]
@@ -32,24 +32,72 @@ def test_labels_gru_inputs_and_positions_are_aligned():
 
 def test_anchors_are_valid_sorted_distinct_and_redrawn():
     T, Bk = 40, 4
-    loss_mask = torch.zeros(T, dtype=torch.bool)
-    loss_mask[5:12] = True  # an assistant turn
-    loss_mask[20] = True  # a one-token turn: nothing supervised follows within Bk
-    loss_mask[30:40] = True  # the last turn runs to the end
+    row = torch.zeros(T, dtype=torch.bool)
+    row[5:12] = True  # an assistant turn
+    row[20] = True  # a one-token turn: nothing supervised follows within Bk
+    row[30:40] = True  # the last turn runs to the end
     valid = set(range(5, 11)) | set(range(30, 39))  # needs a supervised label in x[a+1 .. a+Bk]
+    loss_mask = torch.stack([row, torch.zeros(T, dtype=torch.bool), row])  # [3, T]: a row with none between
     g = torch.Generator().manual_seed(0)
-    seen, draws = set(), []
+    seen, draws, same = set(), [], 0
     for _ in range(200):
-        a = O.sample_anchors(loss_mask, 6, Bk, g)
-        assert a.numel() == 6 and a.tolist() == sorted(set(a.tolist()))
-        assert set(a.tolist()) <= valid
-        seen |= set(a.tolist())
-        draws.append(tuple(a.tolist()))
+        anchors, keep = O.draw_anchors(loss_mask, 6, Bk, g)
+        assert anchors.shape == (3, 6) and keep[0].all() and keep[2].all() and not keep[1].any()
+        assert anchors[1].tolist() == [0] * 6  # padding
+        for b in (0, 2):
+            a = anchors[b].tolist()
+            assert a == sorted(set(a)) and set(a) <= valid
+            seen |= set(a)
+        same += anchors[0].tolist() == anchors[2].tolist()  # two rows of one mask draw apart
+        draws.append(tuple(anchors[0].tolist()))
     assert seen == valid
-    assert len(set(draws)) > 100
-    assert O.sample_anchors(loss_mask, 100, Bk, g).tolist() == sorted(valid)
-    assert O.sample_anchors(torch.zeros(T, dtype=torch.bool), 4, Bk, g).numel() == 0
-    assert O.valid_anchors(loss_mask, Bk).tolist() == sorted(valid)  # what a benchmark counts as blocks trained
+    assert len(set(draws)) > 100 and same < 10
+    everything, keep = O.draw_anchors(loss_mask, 100, Bk, g)  # more asked than valid: every valid one, once
+    assert everything.shape == (3, len(valid)) and everything[0].tolist() == sorted(valid) and keep[0].all()
+    again = [O.draw_anchors(loss_mask, 6, Bk, torch.Generator().manual_seed(7))[0] for _ in range(2)]
+    assert torch.equal(*again)  # a function of the generator's state
+    assert O.valid_anchors(row, Bk).tolist() == sorted(valid)  # what a benchmark counts as blocks trained
+    assert O.valid_anchor_mask(loss_mask, Bk)[0].nonzero().flatten().tolist() == sorted(valid)
+
+
+def test_make_blocks_builds_each_row_as_one_sequence_alone():
+    """The batched build equals the per-row definition: a sequence's blocks, labels (greedy-prefix
+    masked on the target's labels) and attention mask do not depend on the batch it came in."""
+    g = torch.Generator().manual_seed(1)
+    B, T, Bk, V = 3, 30, 4, 40
+    ids = torch.randint(0, V - 1, (B, T), generator=g)
+    target = torch.where(torch.rand(B, T, generator=g) < 0.7, ids.roll(-1, dims=1), torch.randint(0, V - 1, (B, T), generator=g))
+    labels_ids = O.target_label_ids(ids, target)
+    loss_mask = torch.rand(B, T, generator=g) < 0.8
+    anchors = [torch.tensor([0, 5, 11, 28]), torch.tensor([3]), torch.tensor([2, 9, 17])]
+    batched = O.make_blocks(ids, loss_mask, 0, Bk, M, anchors=anchors, label_ids=labels_ids)
+    N = batched.anchors.shape[1]
+    for b in range(B):
+        alone = O.make_blocks(ids[b:b + 1], loss_mask[b:b + 1], 0, Bk, M, anchors=[anchors[b]], label_ids=labels_ids[b:b + 1])
+        n = anchors[b].numel()
+        for field in ("block_ids", "positions", "labels", "label_mask", "gru_ids"):
+            assert torch.equal(getattr(batched, field)[b, :n], getattr(alone, field)[0]), field
+        assert not batched.label_mask[b, n:].any()
+        Q = n * Bk
+        own = batched.attention_mask[b, 0, :Q]
+        assert torch.equal(own[:, :T + Q], O.block_attention_mask(anchors[b], T, Bk))  # the per-sequence rule
+        assert not own[:, T + Q:].any()
+    assert N == 4
+
+
+def test_the_block_build_is_a_fixed_number_of_ops_whatever_the_batch():
+    """make_blocks runs batched tensor ops: a step's host work does not grow with the sequences
+    (a loop over rows issued some 220 ops a sequence, 7,000 at 32 x 1,024)."""
+    from torch.profiler import profile
+
+    def ops(B: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 40, (B, 64), generator=g)
+        with profile() as prof:
+            O.make_blocks(ids, torch.ones(B, 64, dtype=torch.bool), 8, 4, M, generator=g, label_ids=ids)
+        return sum(e.count for e in prof.key_averages())
+
+    assert ops(16) == ops(2)
 
 
 def test_block_attention_mask_by_hand():

@@ -27,61 +27,41 @@ import torch.nn.functional as F
 from dominospec.train.chunked_ce import chunked_cross_entropy
 
 # ----------------------------------------------------------------------------------------------
-# Anchors and block tensors for one sequence
+# Anchors: where blocks start
 # ----------------------------------------------------------------------------------------------
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
-    """loss_mask [T] bool -> anchors [N] sorted, N = min(num_anchors, #valid), drawn uniformly
-    without replacement. Valid: loss_mask[a], a + 1 < T, and at least one supervised label among
-    x[a+1 .. a+block_size] (so every block trains something)."""
-    valid = valid_anchors(loss_mask, block_size)
-    n = min(num_anchors, valid.numel())
-    pick = torch.randperm(valid.numel(), generator=generator)[:n]
-    return valid[pick].sort().values.to(loss_mask.device)
-
-
 def valid_anchors(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """loss_mask [T] bool -> the positions a block may start at [n] (sample_anchors' rule), on the CPU."""
-    T = loss_mask.shape[0]
-    mask = loss_mask.bool().cpu()
+    """loss_mask [T] bool -> the positions a block may start at [n] (draw_anchors' rule), on the CPU."""
+    return valid_anchor_mask(loss_mask.cpu()[None], block_size)[0].nonzero().flatten()
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """loss_mask [B, T] bool -> [B, T] bool, True where a block may start (draw_anchors' rule): on
+    loss_mask's device, no host read."""
+    T = loss_mask.shape[1]
+    mask = loss_mask.bool()
     # supervised[a] = any(loss_mask[a+1 : a+1+block_size]); padded so windows past T see False.
-    ahead = F.pad(mask[1:].float(), (0, block_size))  # [T - 1 + Bk]
-    supervised = ahead.unfold(0, block_size, 1)[:T].amax(dim=-1) > 0  # [T]
-    return (mask & supervised).nonzero().flatten()  # implies a + 1 < T
+    ahead = F.pad(mask[:, 1:].float(), (0, block_size))  # [B, T - 1 + Bk]
+    supervised = ahead.unfold(1, block_size, 1)[:, :T].amax(dim=-1) > 0  # [B, T]
+    return mask & supervised  # implies a + 1 < T
 
 
-def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """anchors [N] -> absolute positions a + j [N, Bk]."""
-    return anchors[:, None] + torch.arange(block_size, device=anchors.device)
-
-
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """input_ids [T], anchors [N] -> block token ids [N, Bk] = [x_a, MASK x (Bk-1)]."""
-    block_ids = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    block_ids[:, 0] = input_ids[anchors]
-    return block_ids
-
-
-def block_labels(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [T], loss_mask [T], anchors [N] -> labels x[a+1+j] [N, Bk] and label_mask [N, Bk]
-    (in bounds and loss_mask at the label position; out-of-bounds labels are clamped, masked)."""
-    T = input_ids.shape[0]
-    pos = block_positions(anchors, block_size) + 1  # [N, Bk] label positions
-    in_bounds = pos < T
-    pos = pos.clamp(max=T - 1)
-    return input_ids[pos], in_bounds & loss_mask.bool()[pos]
-
-
-def gru_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """input_ids [T], anchors [N] -> teacher-forcing GRU inputs x[a+j] [N, Bk] (clamped in bounds;
-    a clamped slot only feeds slots whose labels are out of bounds and masked)."""
-    pos = block_positions(anchors, block_size).clamp(max=input_ids.shape[0] - 1)
-    return input_ids[pos]
+def draw_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
+                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss_mask [B, T] -> (anchors [B, N], keep [B, N]): each row's min(num_anchors, #valid) anchors
+    drawn uniformly without replacement (the valid positions with the smallest random keys), sorted,
+    first in the row; padding anchors are 0 with keep False. N = the most any row drew (>= 1): one
+    host read a batch. The keys come from `generator` on the CPU, so the draw is the same on any device."""
+    B, T = loss_mask.shape
+    valid = valid_anchor_mask(loss_mask, block_size)  # [B, T]
+    N = max(1, min(num_anchors, int(valid.sum(dim=1).max())))
+    keys = torch.rand(B, T, generator=generator).to(valid.device).masked_fill(~valid, 2.0)  # invalid last
+    picked_keys, picked = keys.topk(N, dim=1, largest=False)  # [B, N]
+    drawn = picked_keys < 2.0
+    anchors = picked.masked_fill(~drawn, T).sort(dim=1).values  # drawn ones first, ascending
+    keep = torch.arange(N, device=valid.device)[None] < drawn.sum(dim=1, keepdim=True)
+    return anchors.masked_fill(~keep, 0), keep
 
 
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -157,36 +137,43 @@ def make_blocks(
     supervised only where the block's gold tokens x[a+1..a+j] are the target's greedy path: the
     engine drafts slot j only after slots < j were accepted, i.e. after a greedy prefix."""
     B, T = input_ids.shape
+    device = input_ids.device
     greedy = label_ids is not None
     label_ids = input_ids if label_ids is None else label_ids
     if anchors is None:
-        anchors = [sample_anchors(loss_mask[b], num_anchors, block_size, generator) for b in range(B)]
-    N = max(1, max(a.numel() for a in anchors))
-    padded = torch.zeros(B, N, dtype=torch.long, device=input_ids.device)
-    keep = torch.zeros(B, N, dtype=torch.bool, device=input_ids.device)
-    for b, a in enumerate(anchors):
-        padded[b, : a.numel()] = a.to(input_ids.device)
-        keep[b, : a.numel()] = True
-    parts = {k: [] for k in ("block_ids", "labels", "label_mask", "gru_ids", "mask")}
-    for b in range(B):
-        labels, label_mask = block_labels(label_ids[b], loss_mask[b], padded[b], block_size)
-        if greedy:
-            gold, _ = block_labels(input_ids[b], loss_mask[b], padded[b], block_size)
-            label_mask = label_mask & greedy_prefix(gold == labels)
-        parts["block_ids"].append(block_inputs(input_ids[b], padded[b], block_size, mask_token_id))
-        parts["labels"].append(labels)
-        parts["label_mask"].append(label_mask & keep[b, :, None])
-        parts["gru_ids"].append(gru_inputs(input_ids[b], padded[b], block_size))
-        parts["mask"].append(block_attention_mask(padded[b], T, block_size))
+        padded, keep = draw_anchors(loss_mask, num_anchors, block_size, generator)
+    else:
+        N = max(1, max(a.numel() for a in anchors))
+        padded = torch.zeros(B, N, dtype=torch.long, device=device)
+        keep = torch.zeros(B, N, dtype=torch.bool, device=device)
+        for b, a in enumerate(anchors):
+            padded[b, : a.numel()] = a.to(device)
+            keep[b, : a.numel()] = True
+    N = padded.shape[1]
+    positions = padded[..., None] + torch.arange(block_size, device=device)  # [B, N, Bk]: a + j
+
+    def at(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # values [B, T], where [B, N, Bk]
+        return values.gather(1, where.clamp(max=T - 1).view(B, -1)).view(B, N, block_size)
+
+    labels = at(label_ids, positions + 1)  # x[a+1+j] (clamped; masked below where out of bounds)
+    label_mask = (positions + 1 < T) & at(loss_mask.bool(), positions + 1) & keep[..., None]
+    if greedy:  # slot j trains only after a greedy prefix: the gold tokens of slots < j are the target's
+        label_mask = label_mask & greedy_prefix(at(input_ids, positions + 1) == labels)
+    block_ids = torch.full((B, N, block_size), mask_token_id, dtype=input_ids.dtype, device=device)
+    block_ids[..., 0] = input_ids.gather(1, padded)
+    # attention [B, 1, Q, T+Q], Q = N*Bk: query q of block q // Bk sees context kv < its anchor and its own block
+    block_of = torch.arange(N * block_size, device=device) // block_size  # [Q]
+    sees_context = torch.arange(T, device=device)[None, None] < padded[:, block_of, None]  # [B, Q, T]
+    sees_own = (block_of[:, None] == block_of[None]).expand(B, -1, -1)  # [B, Q, Q]
     return BlockBatch(
         anchors=padded,
         block_keep=keep,
-        block_ids=torch.stack(parts["block_ids"]),
-        positions=block_positions(padded.flatten(), block_size).view(B, N, block_size),
-        labels=torch.stack(parts["labels"]),
-        label_mask=torch.stack(parts["label_mask"]),
-        gru_ids=torch.stack(parts["gru_ids"]),
-        attention_mask=torch.stack(parts["mask"])[:, None],
+        block_ids=block_ids,
+        positions=positions,
+        labels=labels,
+        label_mask=label_mask,
+        gru_ids=at(input_ids, positions),  # x[a+j], teacher forcing (clamped: feeds only masked slots)
+        attention_mask=torch.cat([sees_context, sees_own], dim=-1)[:, None],
     )
 
 
@@ -197,10 +184,10 @@ def target_label_ids(input_ids: torch.Tensor, target_next: torch.Tensor) -> torc
 
 
 def greedy_prefix(agree: torch.Tensor) -> torch.Tensor:
-    """agree [N, Bk] (slot j's gold token is the target's greedy one) -> ok [N, Bk]: slot j's
+    """agree [..., Bk] (slot j's gold token is the target's greedy one) -> ok [..., Bk]: slot j's
     prefix x[a+1..a+j] (the gold tokens of slots < j) is greedy throughout; slot 0 always ok."""
-    ok = agree.long().cumprod(dim=1).bool()
-    return torch.cat([torch.ones_like(ok[:, :1]), ok[:, :-1]], dim=1)
+    ok = agree.long().cumprod(dim=-1).bool()
+    return torch.cat([torch.ones_like(ok[..., :1]), ok[..., :-1]], dim=-1)
 
 
 def draft_block_logits(draft, embed_tokens, lm_head, target_features: torch.Tensor, blocks: BlockBatch, mask=None,
@@ -382,11 +369,9 @@ def acceptance_length(logits: torch.Tensor, labels: torch.Tensor, label_mask: to
 
 __all__ = [
     "BlockBatch",
-    "sample_anchors",
-    "block_positions",
-    "block_inputs",
-    "block_labels",
-    "gru_inputs",
+    "valid_anchors",
+    "valid_anchor_mask",
+    "draw_anchors",
     "block_attention_mask",
     "flex_block_mask",
     "make_blocks",
