@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shlex
 import sys
@@ -35,7 +36,8 @@ def draft_record(path: str | Path) -> dict[str, Any]:
 
 def environment(cuda: Optional[bool] = None, draft: Optional[str | Path] = None) -> dict[str, Any]:
     """Where a result came from: date, command, host, device, python / torch / transformers / triton /
-    CUDA versions, torch's CPU threads, and with `draft` the draft by name and sha256 (`draft_record`;
+    CUDA versions, torch's CPU threads, the host's load (1-minute average, and the CPUs: host-bound
+    timings read against it), and with `draft` the draft by name and sha256 (`draft_record`;
     the command names it by name too, not by the folder it was read from). cuda None: whether a CUDA
     device is there."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -48,7 +50,7 @@ def environment(cuda: Optional[bool] = None, draft: Optional[str | Path] = None)
             out[package] = __import__(package).__version__
         except ImportError:
             out[package] = None
-    out.update(cuda=torch.version.cuda, threads=torch.get_num_threads())
+    out.update(cuda=torch.version.cuda, threads=torch.get_num_threads(), load_1min=os.getloadavg()[0], cpus=os.cpu_count())
     if draft is not None:
         out.update(draft_record(draft))
     return out
