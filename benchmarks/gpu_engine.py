@@ -139,7 +139,7 @@ def load_e2e(args: argparse.Namespace, device: torch.device):
     if args.smoke:
         return smoke_models(device)
     from dominospec.config import load_params
-    from dominospec.engine import load_draft
+    from dominospec.draft import load_draft
 
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     target = load_target(load_params(args.params), args.gguf_dir, dtype)

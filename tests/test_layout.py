@@ -139,7 +139,7 @@ def test_layers_point_down():
 
 # The library's subpackages (and top-level modules), bottom first: each imports only what sits below it
 # (or itself). Stages (`*.stage`, cli) obey it too; `dominospec` itself (the version) is below all.
-LAYERS = ["errors", "files", "config", "precision", "presets", "target", "tracking", "data", "cache", "train", "engine", "regenerate",
+LAYERS = ["errors", "files", "config", "precision", "presets", "target", "draft", "runtime", "stops", "tracking", "data", "cache", "train", "engine", "regenerate",
           "export", "serve", "eval", "card", "retrain", "stages", "cli"]
 
 
@@ -310,11 +310,12 @@ def test_the_benchmark_helpers_live_outside_the_package():
 
 
 MODE_NAMES = {"ar", "ngram", "dflash", "domino", "dominotree"}
-# the modules before the resolve step (engine.decoding): the engine's entry, which calls it, and the
-# target's preparation for the params, which runs before any engine is built
-BEFORE_RESOLVE = {"decoding.py", "spec.py", "configure.py"}
-# a ratchet: issue 52 aims at 2,800 (3,804 before its line cut, 3,867 before its restructure, 4,112 before its clean-up)
-ENGINE_LINE_BUDGET = 3575
+# the modules before the resolve step (engine.decoding): the engine's entry, which calls it (the target's
+# preparation for the params, which runs before any engine is built, is runtime.prepare's)
+BEFORE_RESOLVE = {"decoding.py", "spec.py"}
+# a ratchet: issue 52 aims at 2,800 (3,575 before the modules that are not decoding left the engine, 3,804
+# before its line cut, 3,867 before its restructure, 4,112 before its clean-up)
+ENGINE_LINE_BUDGET = 3174
 
 
 def engine_files():

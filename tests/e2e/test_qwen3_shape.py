@@ -130,7 +130,7 @@ def test_regenerated_replies_answer_the_thinking_off_prompt(target_dir, tmp_path
 
     from dominospec.data.chat import render_prompt
     from dominospec.data.dataset import read_dataset
-    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stops import stop_token_ids
     from dominospec.stages import STAGES, resolve
 
     params = tiny_params(tmp_path, target_dir)

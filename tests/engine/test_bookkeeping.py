@@ -216,7 +216,7 @@ def test_end_of_turn_token_of_the_chat_template_stops_generation():
     """A template closing assistant turns with a special token other than EOS adds it to the stops."""
     from engine_helpers import tiny_tokenizer
 
-    from dominospec.engine.stops import end_of_turn_id
+    from dominospec.stops import end_of_turn_id
 
     tokenizer = tiny_tokenizer(8)
     tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t7 {% endfor %}"

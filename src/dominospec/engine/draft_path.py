@@ -19,7 +19,7 @@ from dominospec.engine.decoding import Decoding
 from dominospec.engine.domino_tree import TreeGrower
 from dominospec.engine.draft_head import DraftHead, draft_head
 from dominospec.engine.graphs import DraftGraphs
-from dominospec.engine.packed import linear_for, pack_linears
+from dominospec.runtime.packed import linear_for, pack_linears
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
 

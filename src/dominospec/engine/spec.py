@@ -20,11 +20,11 @@ from dominospec.engine.decoding import MODES, resolve
 from dominospec.engine.draft_path import DraftPath, load_draft_path
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.proposers import proposer_for
-from dominospec.engine.round import Request, RoundState, play_round
+from dominospec.engine.round import Request, RoundState, admit, play_round
 from dominospec.engine.runners import EngineRunners
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import Generation, GenerationStats
-from dominospec.engine.stops import IncrementalDetokenizer, admit, cut_at_stop_string, stop_token_ids
+from dominospec.stops import IncrementalDetokenizer, cut_at_stop_string, stop_token_ids
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
