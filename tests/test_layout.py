@@ -91,7 +91,7 @@ def test_no_import_cycles():
 
 
 SPEC_ENGINE_IMPORTS = 12  # engine modules engine/spec.py may import: it assembles the engine, it is no hub
-RUNNER_MODULES = ("runners", "target_kv", "lean_kv", "draft_block", "lean_draft", "kv", "graphs")
+RUNNER_MODULES = ("runners", "target_kv", "lean_kv", "draft_block", "kv", "graphs")
 ROUND_MODULES = ("round", "proposers", "proposal", "accept")
 
 
@@ -313,9 +313,10 @@ MODE_NAMES = {"ar", "ngram", "dflash", "domino", "dominotree"}
 # the modules before the resolve step (engine.decoding): the engine's entry, which calls it (the target's
 # preparation for the params, which runs before any engine is built, is runtime.prepare's)
 BEFORE_RESOLVE = {"decoding.py", "spec.py"}
-# a ratchet: issue 52 aims at 2,800 (3,575 before the modules that are not decoding left the engine, 3,804
+# a ratchet: issue 52 aims at 2,800 (3,174 before the draft's lean backbone went to models.lean and the
+# head's graphs onto the one holder, 3,575 before the modules that are not decoding left the engine, 3,804
 # before its line cut, 3,867 before its restructure, 4,112 before its clean-up)
-ENGINE_LINE_BUDGET = 3174
+ENGINE_LINE_BUDGET = 3072
 
 
 def engine_files():
@@ -357,8 +358,7 @@ def test_every_runner_has_what_its_protocol_asks():
     """The target and draft runners (engine.runner_types) have every method their Protocol names."""
     import typing
 
-    from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-    from dominospec.engine.lean_draft import LeanDraftBlock
+    from dominospec.engine.draft_block import DynamicDraftBlock, LeanDraftBlock, StaticDraftBlock
     from dominospec.engine.runner_types import DraftRunner, TargetRunner
     from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
 

@@ -16,7 +16,8 @@ import torch
 from engine_helpers import engine_params, draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
+from dominospec.engine.draft_block import LeanDraftBlock
+from dominospec.models.lean.lean_draft import LeanDraft
 from dominospec.engine.lean_kv import LeanForward
 from dominospec.engine.target_kv import StaticTargetKV
 from dominospec.engine.runners import lean_decoder
