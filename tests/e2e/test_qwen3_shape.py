@@ -97,8 +97,7 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
     from dominospec.data.chat import render_prompt
     from dominospec.engine.verify_shape import branch_tree
     from dominospec.models.lean import DecoderOps, LeanDecoder
-    from dominospec.engine.lean_kv import LeanForward
-    from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+    from dominospec.engine.target_kv import DynamicTargetKV, LeanForward, StaticTargetKV
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()

@@ -18,7 +18,7 @@ import dominospec.engine.accept as accept_module
 import dominospec.engine.target_kv as target_kv_module
 from dominospec.errors import UserError
 from dominospec.engine import Sampling, SpecEngine
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length
+from dominospec.runtime.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache
 
 

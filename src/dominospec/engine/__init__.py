@@ -1,7 +1,7 @@
 """Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft or prompt lookup, and the AR baseline.
 
-The names below load on first use (PEP 562), so importing one engine module (regenerate's KV
-helpers) does not load the whole engine, the draft model and the kernels with it.
+The names below load on first use (PEP 562), so importing one engine module does not load the
+whole engine, the draft model and the kernels with it.
 """
 
 import importlib

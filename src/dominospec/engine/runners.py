@@ -13,7 +13,7 @@ import torch
 
 from dominospec.engine.decoding import Decoding
 from dominospec.engine.draft_block import DynamicDraftBlock, LeanDraftBlock, StaticDraftBlock
-from dominospec.engine.lean_kv import LeanForward
+from dominospec.engine.target_kv import LeanForward
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
