@@ -89,11 +89,6 @@ class Decoding:
         """The Domino head drafts chains: no tree, or a tree's sampled rounds."""
         return self.head and (not self.tree or self.sampled_chain)
 
-    @property
-    def head_chain_kernels(self) -> bool:
-        """The head's chains on the Triton kernels."""
-        return self.kernels and self.head_chain
-
 
 def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_draft: Union[int, str, None],
             params: Optional[EngineParams]) -> Decoding:

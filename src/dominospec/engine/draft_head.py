@@ -194,7 +194,7 @@ def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Option
     them; on the holder `graphs` (static caches) the greedy rollouts of a chain engine and, replayed,
     every sampled chain (a tree engine's greedy rounds grow the tree)."""
     d = decoding
-    kernels = prepare_head_kernels(draft, embed_tokens) if d.head_chain_kernels else None
+    kernels = prepare_head_kernels(draft, embed_tokens) if d.kernels and d.head_chain else None
     rollouts = kernels is not None and graphs is not None and not d.tree
     sampled = d.head_chain and graphs is not None and graphs.enabled
     return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, graphs, rollouts, sampled)

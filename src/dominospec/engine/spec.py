@@ -43,7 +43,7 @@ class SpecEngine:
         self.path: Optional[DraftPath] = load_draft_path(draft, target, d) if d.drafting else None
         self.draft, self.head, self.grower = (self.path.model, self.path.head, self.path.grower) if self.path else (None,) * 3
         self.block_size, self.num_draft, self.nodes, self.auto = d.block_size, d.k_max, d.nodes, d.auto
-        self.draft_dtype, self.lookup_k_max = d.draft_dtype, d.lookup.k_max
+        self.lookup_k_max = d.lookup.k_max
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
         self.proposer = proposer_for(d, self.head, self.grower, self.device)  # greedy requests'
         self.sampled_proposer = (proposer_for(d, self.head, self.grower, self.device, sampled=True)
