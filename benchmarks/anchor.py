@@ -39,7 +39,7 @@ from common.timing import warm_up
 
 def main() -> None:
     from dominospec.engine import SpecEngine
-    from dominospec.engine.configure import prepare_target
+    from dominospec.runtime.prepare import prepare_target
     from dominospec.eval.report import first_divergence, top2_margin
 
     p = parser(__doc__, threads=2, prompts=8, new_tokens=128)

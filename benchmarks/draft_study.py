@@ -152,7 +152,7 @@ def greedy_answers(target: Any, prompts: list[torch.Tensor], max_new: int, batch
     batched in chunks sorted by length; stops starting chunks past `deadline`. -> (answers, tokens/s)."""
     from tqdm import tqdm
 
-    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stops import stop_token_ids
 
     model, tok = target.model, target.tokenizer
     stops = sorted(stop_token_ids(tok, model))

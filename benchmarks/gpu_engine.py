@@ -139,7 +139,7 @@ def load_e2e(args: argparse.Namespace, device: torch.device):
     if args.smoke:
         return smoke_models(device)
     from dominospec.config import load_params
-    from dominospec.engine import load_draft
+    from dominospec.draft import load_draft
 
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     target = load_target(load_params(args.params), args.gguf_dir, dtype)
@@ -396,7 +396,7 @@ def time_target(model: Any, prefix: int, shapes: list[int], reps: int, cuda: boo
     explicit 4-D mask, captured per T at positions prefix..prefix+T-1 (rewound before each replay)."""
     from transformers import DynamicCache
 
-    from dominospec.engine.kv import cache_argument, crop_kv
+    from dominospec.runtime.kv import cache_argument, crop_kv
 
     device = next(model.parameters()).device
     V = model.config.vocab_size
@@ -431,7 +431,7 @@ def time_static(model: Any, prefix_ids: torch.Tensor, ids: dict, out: dict, refe
 
     from transformers import StaticCache
 
-    from dominospec.engine.kv import cache_argument
+    from dominospec.runtime.kv import cache_argument
 
     device, prefix, arg = prefix_ids.device, prefix_ids.shape[1], cache_argument(model)
     L = prefix + max(ids)

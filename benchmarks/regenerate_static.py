@@ -51,7 +51,7 @@ import torch
 from dominospec.config import load_params
 from dominospec.precision import resolve_dtype
 from dominospec.data.chat import render_text
-from dominospec.engine.packed import pack_linears
+from dominospec.runtime.packed import pack_linears
 from dominospec.models.lean import DecoderOps, LeanDecoder
 from dominospec.regenerate.batch_forward import ATTENTIONS, BatchForward
 from dominospec.regenerate.decoder import DecodePolicy, ReplyStream

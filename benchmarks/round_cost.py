@@ -5,7 +5,7 @@ under the same machine load. A setup is (linear kernels, draft dtype, candidate 
 
     before   linear torch  (MKL, weights re-packed per call), draft in the target dtype, full vocabulary
     after    linear packed (oneDNN, packed once),             draft bf16, pool M (engine params),
-             grouped-query attention without repeated keys (engine.attention)
+             grouped-query attention without repeated keys (runtime.attention)
 
 Each side has its own AR baseline on its own target copy, so "round ÷ AR step" compares like with
 like (the AR baseline gets every kernel the verify forward gets).
@@ -35,8 +35,9 @@ TAUS = (1.5, 2.0, 3.0)
 
 def main() -> None:
     from common.cli import plain_engine
-    from dominospec.engine import SpecEngine, pack_linears
-    from dominospec.engine.attention import use_grouped_sdpa
+    from dominospec.engine import SpecEngine
+    from dominospec.runtime.packed import pack_linears
+    from dominospec.runtime.attention import use_grouped_sdpa
     from dominospec.eval.report import pooled
 
     p = parser(__doc__, threads=2, prompts=4, new_tokens=64)

@@ -109,7 +109,7 @@ def floor(target: Any, context: int, cuda: bool, out: dict) -> None:
 def verify(target: Any, args: argparse.Namespace, cuda: bool, out: dict) -> None:
     """Verify of T rows on each runner that takes T -> out["verify"][runner][T]."""
     from dominospec.engine.verify_shape import MAX_TREE_ROWS
-    from dominospec.engine.lean_kv import LeanForward
+    from dominospec.engine.target_kv import LeanForward
     from dominospec.engine.runners import lean_decoder
     from dominospec.engine.target_kv import HFForward, StaticTargetKV
 
@@ -290,8 +290,7 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from dominospec.engine.lean_kv import LeanForward
-    from dominospec.engine.target_kv import StaticTargetKV
+    from dominospec.engine.target_kv import LeanForward, StaticTargetKV
     from dominospec.models.lean import DecoderOps, LeanDecoder
 
     cuda = torch.cuda.is_available() and not args.smoke

@@ -30,7 +30,7 @@ from common.timing import interleaved, warm_up
 
 def main() -> None:
     from dominospec.engine import Sampling, SpecEngine
-    from dominospec.engine.configure import prepare_target
+    from dominospec.runtime.prepare import prepare_target
     from dominospec.eval.report import speedup_standard_error, tau_standard_error
     from dominospec.eval.stage import calibrate_together
     from dominospec.target import float32_matmul

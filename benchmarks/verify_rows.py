@@ -1,7 +1,7 @@
 """What a verify of T rows costs against an AR step, end to end, on each target runner.
 
 For each runner (`hf static`: transformers' forward on a StaticCache with an explicit mask, as
-engine.target_kv runs it; `lean`: models.lean's fused forward, engine.lean_kv), both as
+engine.target_kv runs it; `lean`: models.lean's fused forward, engine.target_kv), both as
 CUDA graphs on a GPU: prefill `--context` tokens, then time, for T in `--rows`, what a round's
 verify costs the host from launch to knowing the answer: the ids copied in, a tree of T rows
 (four branches sharing row 0, as the engine's draft trees; T = 1 is the AR step), the replay, the
@@ -39,8 +39,7 @@ def main() -> None:
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     cuda = torch.cuda.is_available() and not args.smoke
-    from dominospec.engine.lean_kv import LeanForward
-    from dominospec.engine.target_kv import HFForward, StaticTargetKV
+    from dominospec.engine.target_kv import HFForward, LeanForward, StaticTargetKV
     from dominospec.models.lean import DecoderOps, LeanDecoder
 
     if args.smoke:

@@ -73,8 +73,8 @@ def load_target(params: Any, model_dir: Optional[str] = None, dtype: Optional[st
 def load_draft(params: Any, target: Any, path: Optional[str] = None, random: bool = False) -> Any:
     """The draft a script measures: `random_draft` when `random`, else the trained draft at `path`
     (default: the pipeline's, engine.draft_dir: the export, else checkpoints/final)."""
-    from dominospec.engine import draft_dir
-    from dominospec.engine import load_draft as load
+    from dominospec.draft import draft_dir
+    from dominospec.draft import load_draft as load
 
     if random:
         return random_draft(params, target)

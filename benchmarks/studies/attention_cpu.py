@@ -1,4 +1,4 @@
-"""What the target's attention costs on CPU: transformers' `sdpa` against `grouped_sdpa` (engine.attention).
+"""What the target's attention costs on CPU: transformers' `sdpa` against `grouped_sdpa` (runtime.attention).
 
 Three measurements in one process, the two attentions interleaved in each so that machine load
 hits them alike:
@@ -119,8 +119,8 @@ def rounds(target, params, draft_path: str, suite: str, prompts: int, new_tokens
 
 
 def main() -> None:
-    from dominospec.engine.attention import use_grouped_sdpa
-    from dominospec.engine.packed import pack_linears
+    from dominospec.runtime.attention import use_grouped_sdpa
+    from dominospec.runtime.packed import pack_linears
 
     p = parser(__doc__, threads=2, prompts=6, new_tokens=128)
     p.add_argument("--draft", default="artifacts/draft")

@@ -40,7 +40,7 @@ def main() -> None:
     from dominospec.data.dataset import read_dataset
     from dominospec.regenerate import kv_batch
     from dominospec.regenerate.stage import first_turns, length_sorted_chunks
-    from dominospec.engine.packed import pack_linears
+    from dominospec.runtime.packed import pack_linears
     from dominospec.regenerate.replies import rewrite_conversations
     from dominospec.target import DTYPES
 
@@ -105,7 +105,7 @@ def hf_generate_rewrite(target, conversations, cfg, max_length) -> int:
     from transformers import GenerationConfig
 
     from dominospec.data.chat import render_text
-    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stops import stop_token_ids
 
     tokenizer, stop_ids = target.tokenizer, stop_token_ids(target.tokenizer, target.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]

@@ -50,7 +50,11 @@ def modes(base):
 
 def decode(args: argparse.Namespace) -> None:
     from dominospec.config import load_params
-    from dominospec.engine import SpecEngine, load_draft
+    from dominospec.engine import SpecEngine
+    try:
+        from dominospec.draft import load_draft
+    except ImportError:  # an engine from before the draft's loader left it (d597559 and older)
+        from dominospec.engine import load_draft
     from dominospec.engine.policy import RoundCost
 
     torch.set_num_threads(args.threads)

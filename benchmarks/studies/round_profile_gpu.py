@@ -60,8 +60,9 @@ def replay_times(engine, K: int, reps: int) -> dict:
     if drafter is not None:
         for S, (graph, _) in sorted(drafter.graphs.graphs.items()):
             out[f"draft S={S}"] = device_ms(graph.replay, reps)
-    if engine.head.graphs is not None:
-        for key, (graph, _) in sorted(engine.head.graphs.graphs.graphs.items()):
+    holder = engine.path.graphs if engine.path is not None else None
+    if holder is not None and "head rollout" in holder.sets:
+        for key, (graph, _) in sorted(holder.sets["head rollout"].graphs.items()):
             out[f"rollout K={key[0]}"] = device_ms(graph.replay, reps)
     return out
 

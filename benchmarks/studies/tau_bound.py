@@ -108,7 +108,7 @@ def table(records: torch.Tensor) -> list[dict]:
 
 
 def main() -> None:
-    from dominospec.engine import draft_dir
+    from dominospec.draft import draft_dir
     from dominospec.train.datamodule import PreparedSequences
 
     p = parser(__doc__)

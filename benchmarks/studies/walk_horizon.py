@@ -56,7 +56,7 @@ def answer_all(target, prompts: list[list[int]], new_tokens: int) -> list[list[i
     """Prompts -> the target's greedy answers (stop token excluded), decoded together in one batch."""
     from dominospec.regenerate.decoder import DecodePolicy, ReplyStream
     from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
-    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stops import stop_token_ids
 
     stops = stop_token_ids(target.tokenizer, target.model)
     kv = SlotKV(target.num_layers, len(prompts), capacity=64, limit=max(map(len, prompts)) + new_tokens + 1,

@@ -1,4 +1,5 @@
-"""The lean decoder: a Llama / Qwen3 target's forward on fused kernels (modeling_lean)."""
+"""The lean decoder: a Llama / Qwen3 target's forward on fused kernels (modeling_lean); the Domino draft's
+backbone on the same fused ops is `lean_draft.LeanDraft`."""
 
 from .modeling_lean import DecoderOps, LeanDecoder, LeanLayer, LeanStack, pack_layer, unsupported
 

@@ -174,7 +174,7 @@ def pack_layer(layer: Any) -> LeanLayer:
 
 class LeanStack:
     """Decoder layers on the fused ops, then the final norm: h [T, H] -> normed [T, H] (the target's,
-    and the draft's backbone in dominospec.engine.lean_draft)."""
+    and the draft's backbone in lean_draft)."""
 
     def __init__(self, ops: DecoderOps, layers: list[LeanLayer], final_norm: torch.Tensor, Hq: int, Hkv: int, D: int,
                  eps: float):

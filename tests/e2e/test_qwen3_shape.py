@@ -97,8 +97,7 @@ def test_the_lean_decoder_computes_what_transformers_does_on_qwen3(target_dir):
     from dominospec.data.chat import render_prompt
     from dominospec.engine.verify_shape import branch_tree
     from dominospec.models.lean import DecoderOps, LeanDecoder
-    from dominospec.engine.lean_kv import LeanForward
-    from dominospec.engine.target_kv import DynamicTargetKV, StaticTargetKV
+    from dominospec.engine.target_kv import DynamicTargetKV, LeanForward, StaticTargetKV
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
@@ -130,7 +129,7 @@ def test_regenerated_replies_answer_the_thinking_off_prompt(target_dir, tmp_path
 
     from dominospec.data.chat import render_prompt
     from dominospec.data.dataset import read_dataset
-    from dominospec.engine.stops import stop_token_ids
+    from dominospec.stops import stop_token_ids
     from dominospec.stages import STAGES, resolve
 
     params = tiny_params(tmp_path, target_dir)

@@ -1,4 +1,4 @@
-"""engine.attention: grouped-query attention without repeated keys equals transformers' sdpa.
+"""runtime.attention: grouped-query attention without repeated keys equals transformers' sdpa.
 
 - Several rows with a mask (every verify): the output equals `repeat_kv` + SDPA to the bit, over
   odd head groupings, lengths, tree-shaped boolean masks and additive masks, fp32 and fp64.
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-import dominospec.engine.attention as attention
+import dominospec.runtime.attention as attention
 from dominospec.engine import SpecEngine
-from dominospec.engine.attention import NAME, grouped_sdpa, use_grouped_sdpa
+from dominospec.runtime.attention import NAME, grouped_sdpa, use_grouped_sdpa
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree
 

@@ -18,7 +18,7 @@ import dominospec.engine.accept as accept_module
 import dominospec.engine.target_kv as target_kv_module
 from dominospec.errors import UserError
 from dominospec.engine import Sampling, SpecEngine
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length
+from dominospec.runtime.kv import cache_argument, crop_kv, kv_length
 from dominospec.models.domino import DraftContextCache
 
 
@@ -216,7 +216,7 @@ def test_end_of_turn_token_of_the_chat_template_stops_generation():
     """A template closing assistant turns with a special token other than EOS adds it to the stops."""
     from engine_helpers import tiny_tokenizer
 
-    from dominospec.engine.stops import end_of_turn_id
+    from dominospec.stops import end_of_turn_id
 
     tokenizer = tiny_tokenizer(8)
     tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t7 {% endfor %}"

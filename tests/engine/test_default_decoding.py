@@ -21,7 +21,7 @@ from engine_helpers import chat_ids, fit_draft
 from dominospec.cache.features import resolve_layer_ids
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
-from dominospec.engine.configure import prepare_target
+from dominospec.runtime.prepare import prepare_target
 from dominospec.engine.proposers import BestFirstTrees
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import load_target

@@ -1,4 +1,4 @@
-"""Incremental detokenisation (engine.stops.IncrementalDetokenizer) equals decoding the whole answer, push by push.
+"""Incremental detokenisation (stops.IncrementalDetokenizer) equals decoding the whole answer, push by push.
 
 Word-level tiny tokenizer with special tokens (skipped), and the byte-level BPE of SmolLM2 (its
 tokenizer.json, no weights) on text with multi-byte characters split across tokens, pushed in
@@ -11,7 +11,7 @@ import random
 import pytest
 from engine_helpers import tiny_tokenizer
 
-from dominospec.engine.stops import IncrementalDetokenizer
+from dominospec.stops import IncrementalDetokenizer
 
 
 def decoder(tokenizer):

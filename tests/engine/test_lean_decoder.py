@@ -1,4 +1,4 @@
-"""The lean decoder (models.lean, engine.lean_kv) computes what transformers' forward computes.
+"""The lean decoder (models.lean, engine.target_kv) computes what transformers' forward computes.
 
 On CPU the lean decoder runs its ops' pure-torch references (the Triton kernels are checked against
 the same references in tests/kernels/test_decoder_kernels.py, and one tiny forward on the kernels
@@ -16,9 +16,9 @@ import torch
 from engine_helpers import engine_params, draft_runners_agree, random_prompts, repetitive_prompts, tiny_draft, tiny_target
 
 from dominospec.engine import SpecEngine
-from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
-from dominospec.engine.lean_kv import LeanForward
-from dominospec.engine.target_kv import StaticTargetKV
+from dominospec.engine.draft_block import LeanDraftBlock
+from dominospec.models.lean.lean_draft import LeanDraft
+from dominospec.engine.target_kv import LeanForward, StaticTargetKV
 from dominospec.engine.runners import lean_decoder
 from dominospec.engine.target_kv import DynamicTargetKV
 from dominospec.engine.verify_shape import branch_tree

@@ -13,8 +13,8 @@ from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_targe
 
 from dominospec.config import load_params
 from dominospec.engine import SpecEngine
-from dominospec.engine.configure import one_row_seconds, prepare_target
-from dominospec.engine.packed import PackedLinear, pack_linears, unpack_linears
+from dominospec.runtime.prepare import one_row_seconds, prepare_target
+from dominospec.runtime.packed import PackedLinear, pack_linears, unpack_linears
 from dominospec.errors import UserError
 
 ENGINE = load_params(Path(__file__).resolve().parents[2] / "params.yaml").engine

@@ -12,7 +12,8 @@ from engine_helpers import engine_params, tiny_draft, tiny_target
 
 from dominospec.errors import UserError
 from dominospec.config import Paths
-from dominospec.engine import SpecEngine, draft_dir, load_draft
+from dominospec.draft import draft_dir, load_draft
+from dominospec.engine import SpecEngine
 
 
 @pytest.fixture(scope="module")

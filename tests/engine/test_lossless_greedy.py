@@ -12,7 +12,8 @@ import pytest
 import torch
 from engine_helpers import engine_params, random_prompts, tiny_draft, tiny_target
 
-from dominospec.engine import SpecEngine, pack_linears
+from dominospec.engine import SpecEngine
+from dominospec.runtime.packed import pack_linears
 
 
 CASES = [  # arch, vocab, dtype, block sizes

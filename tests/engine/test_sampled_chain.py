@@ -1,10 +1,10 @@
 """The sampled Domino chain drawn from uniforms drawn first (engine.draft_head): the exponential race
-draws from q; the graph's buffer path (`SampledChains`, eager here) and the plain path draw what an
+draws from q; the graph's buffer path (the holder's "sampled chain", eager here) and the plain path draw what an
 independent step-by-step reference draws from the same uniforms.
 
 - `_Draws`: 40,000 draws from a fixed q, by chi-square; a token of q = 0 is never drawn; the belief
   of each draw is q at the drawn token.
-- `SampledChains(enabled=False)` runs the function a CUDA graph would capture, on its static buffers;
+- the holder's "sampled chain" (enabled=False) runs the function a CUDA graph would capture, on its static buffers;
   it and the plain path draw, with the same generator seed, the tokens and q of the race written out
   step by step in this test (`race_chain`), for K = 1..B-1 and a pool.
 Run: python -m pytest tests/engine/test_sampled_chain.py -q
@@ -15,7 +15,7 @@ import torch
 from engine_helpers import tiny_draft, tiny_target
 from scipy.stats import chisquare
 
-from dominospec.engine.draft_head import DraftHead, SampledChains, _Draws
+from dominospec.engine.draft_head import DraftHead, _Draws
 from dominospec.engine.graphs import DraftGraphs
 from dominospec.engine.sampling import Sampling
 
@@ -72,7 +72,7 @@ def race_chain(draft, embed_tokens, z, base, x_start, sampling, noise, cand):
 
 @pytest.mark.parametrize("pool_size", [0, 17])
 def test_the_graph_buffers_draw_what_the_written_out_race_draws(pool_size):
-    """The graph's function on its static buffers (SampledChains, eager on CPU) and the engine's plain
+    """The graph's function on its static buffers (the holder's "sampled chain", eager on CPU) and the engine's plain
     path against `race_chain` on the same uniforms (the request's generator, drawn as the buffers draw
     them): the same tokens, q and beliefs, for K = 1..B-1, the full vocabulary and a pool."""
     target = tiny_target("llama", vocab=V, dtype=torch.float64, scale=0.2)
@@ -84,7 +84,7 @@ def test_the_graph_buffers_draw_what_the_written_out_race_draws(pool_size):
     sampling = Sampling(temperature=0.8, top_p=0.9)
     plain = DraftHead(draft, target.embed_tokens, True, pool_size)
     buffered = DraftHead(draft, target.embed_tokens, True, pool_size,
-                         sampled=SampledChains(DraftGraphs(B, H, V, torch.float64, torch.device("cpu"), enabled=False)))
+                         graphs=DraftGraphs(B, H, V, torch.float64, torch.device("cpu"), enabled=False), sampled=True)
     differs = 0
     with torch.inference_mode():
         for K in range(1, B):

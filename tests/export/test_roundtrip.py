@@ -13,7 +13,8 @@ from export_helpers import make_project
 from engine_helpers import engine_params  # noqa: E402
 
 from dominospec.config import load_params  # noqa: E402
-from dominospec.engine import SpecEngine, load_draft  # noqa: E402
+from dominospec.draft import load_draft  # noqa: E402
+from dominospec.engine import SpecEngine  # noqa: E402
 from dominospec.export.stage import export  # noqa: E402
 from dominospec.models.domino import DFlashDraftModel  # noqa: E402
 

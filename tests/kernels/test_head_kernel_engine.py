@@ -106,7 +106,7 @@ def test_sampled_engine_with_triton_head_draws_as_the_torch_head(setup, monkeypa
 @cpu_engine
 @pytest.mark.parametrize("pool_size", [0, 13])
 def test_static_engine_runs_the_rollout_through_its_graph_buffers(setup, pool_size):
-    """With static caches the greedy rollout (pool selection included) runs on RolloutGraphs' static
+    """With static caches the greedy rollout (pool selection included) runs on the holder's static
     inputs, one function per K (CUDA graphs on a GPU, the same function eagerly here): the same tokens
     and rounds as the torch head on the dynamic caches, and one function per K that was drafted."""
     target, draft, _ = setup
@@ -121,9 +121,9 @@ def test_static_engine_runs_the_rollout_through_its_graph_buffers(setup, pool_si
         assert b.token_ids == a.token_ids
         assert b.stats.accepted_lengths == a.stats.accepted_lengths
         assert static.generate(prompt, 12).token_ids == a.token_ids  # auto-K
-    keys = set(fixed.head.graphs.graphs.functions)  # K = num_draft, or fewer near the token budget
+    keys = set(fixed.path.graphs.sets["head rollout"].functions)  # K = num_draft, or fewer near the token budget
     assert (fixed.num_draft, False) in keys and all(1 <= K <= fixed.num_draft and not c for K, c in keys)
-    assert static.head.graphs.graphs.functions  # the auto-K engine drafted through them too
+    assert static.path.graphs.sets["head rollout"].functions  # the auto-K engine drafted through them too
     assert static.graph_failures() == {}
 
 

@@ -13,8 +13,7 @@ import torch
 from engine_helpers import tiny_target  # noqa: E402
 
 from dominospec.models.lean import DecoderOps, LeanDecoder  # noqa: E402
-from dominospec.engine.lean_kv import LeanForward  # noqa: E402
-from dominospec.engine.target_kv import StaticTargetKV  # noqa: E402
+from dominospec.engine.target_kv import LeanForward, StaticTargetKV  # noqa: E402
 from dominospec.engine.verify_shape import branch_tree  # noqa: E402
 
 

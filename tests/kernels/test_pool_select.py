@@ -130,10 +130,9 @@ def test_other_dtypes_and_mismatched_workspaces_are_refused():
 
 
 def test_engine_refuses_a_pool_it_cannot_select():
-    from dominospec.engine.draft_head import RolloutGraphs
     from dominospec.engine.graphs import DraftGraphs
     from dominospec.errors import UserError
 
     with pytest.raises(UserError, match="engine.candidate_pool"):
-        RolloutGraphs(None, 13, DraftGraphs(8, 32, 96, torch.float64, DEVICE, enabled=False))
-    assert RolloutGraphs(None, 0, DraftGraphs(8, 32, 96, torch.float64, DEVICE, enabled=False)).pool is None
+        DraftGraphs(8, 32, 96, torch.float64, DEVICE, enabled=False).pool_workspace(13)
+    assert DraftGraphs(8, 32, 96, torch.float64, DEVICE, enabled=False).pool_workspace(0) is None

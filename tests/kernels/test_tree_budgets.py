@@ -20,9 +20,7 @@ from engine_helpers import tiny_draft, tiny_target
 
 from dominospec.engine.domino_tree import grow_tree
 from dominospec.models.lean import DecoderOps, LeanDecoder
-from dominospec.engine.lean_kv import LeanForward, row_buckets
-from dominospec.engine.target_kv import StaticTargetKV
-from dominospec.engine.target_kv import DynamicTargetKV
+from dominospec.engine.target_kv import DynamicTargetKV, LeanForward, StaticTargetKV, row_buckets
 from dominospec.engine.verify_shape import words_for
 
 NODES, LOOKUP = 256, 7

@@ -1,7 +1,7 @@
 """Speculative decoding (lossless, greedy and sampling) with a Domino / DFlash draft or prompt lookup, and the AR baseline.
 
-The names below load on first use (PEP 562), so importing one engine module (regenerate's packed
-linears, export's loader) does not load the whole engine, the draft model and the kernels with it.
+The names below load on first use (PEP 562), so importing one engine module does not load the
+whole engine, the draft model and the kernels with it.
 """
 
 import importlib
@@ -15,10 +15,6 @@ _EXPORTS = {
     "Sampling": "dominospec.engine.sampling",
     "accept_greedy": "dominospec.engine.accept",
     "accept_sampled": "dominospec.engine.accept",
-    "check_draft_matches": "dominospec.engine.loading",
-    "draft_dir": "dominospec.engine.loading",
-    "load_draft": "dominospec.engine.loading",
-    "pack_linears": "dominospec.engine.packed",
 }
 
 __all__ = sorted(_EXPORTS)

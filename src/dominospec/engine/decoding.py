@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from dominospec.config import EngineParams, TreeParams
-from dominospec.engine.loading import check_draft_matches
+from dominospec.draft import check_draft_matches
 from dominospec.engine.verify_shape import MAX_TREE_ROWS
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
@@ -89,11 +89,6 @@ class Decoding:
         """The Domino head drafts chains: no tree, or a tree's sampled rounds."""
         return self.head and (not self.tree or self.sampled_chain)
 
-    @property
-    def head_chain_kernels(self) -> bool:
-        """The head's chains on the Triton kernels."""
-        return self.kernels and self.head_chain
-
 
 def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_draft: Union[int, str, None],
             params: Optional[EngineParams]) -> Decoding:
@@ -103,7 +98,7 @@ def resolve(target: Target, draft: Optional[DFlashDraftModel], mode: str, num_dr
     if params is None:
         raise UserError("SpecEngine needs the engine's params (params.yaml `engine:`, config.EngineParams)")
     if params.linear not in ("packed", "torch"):
-        raise UserError(f"engine.linear: {params.linear} is resolved by engine.configure.prepare_target(), "
+        raise UserError(f"engine.linear: {params.linear} is resolved by runtime.prepare.prepare_target(), "
                         "which times the target; pass dataclasses.replace(params, linear=its choice)")
     static, graphs = static_caches(params)
     drafting, head = mode in ("dflash", "domino", "dominotree"), mode in ("domino", "dominotree")

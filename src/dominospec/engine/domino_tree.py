@@ -173,19 +173,15 @@ class TreeGrower:
         self.draft, self.embed_tokens = draft, embed_tokens
         self.nodes, self.children, self.pool_size, self.score_cols = nodes, children, pool_size, score_cols
         self.kernels, self.pool = kernel_build(draft, embed_tokens, pool_size) if kernels else (None, None)
-        self.inputs = graphs.inputs if graphs is not None else None
-        self.graphs = graphs.graphs("tree build", self._build) if graphs is not None else None
+        self.graphs = graphs
+        if graphs is not None:
+            graphs.add("tree build", self._grow)
 
     def grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
              sampling: Sampling = Sampling()) -> DraftTree:
         if self.graphs is None:
             return self._grow(z, base_logits, x_start, sampling)
-        return self.graphs.run((self.inputs.fill(z, base_logits, x_start), sampling))
-
-    def _build(self, key: tuple):
-        K, sampling = key
-        inputs = self.inputs
-        return lambda: self._grow(inputs.z[:K], inputs.base[:K], inputs.x_start, sampling)
+        return self.graphs.run("tree build", z, base_logits, x_start, sampling)
 
     def _grow(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling) -> DraftTree:
         if self.kernels is not None and sampling.greedy:

@@ -7,6 +7,9 @@ the draft path's dtype.
 - `StaticDraftBlock`: per-layer K/V buffers [1, kvh, capacity, D] written in place, the block attending
   through an explicit mask [1, 1, B, capacity + B]. "Append S rows + block" is one shape per S, so
   S = 0..B replay CUDA graphs (`GraphedBlock`); more rows at once are appended eagerly first.
+- `LeanDraftBlock`: the same on the draft's backbone on the lean decoder's fused ops
+  (models.lean.lean_draft.LeanDraft), its cache [layers, Hkv, capacity + B, D] holding the block's own
+  B rows after the context's; the S rows and the block are one pass, one graph per S <= B.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
 from dominospec.models.domino import DFlashDraftModel, DraftContextCache
 from dominospec.models.domino.modeling_domino import rope_cos_sin
+from dominospec.models.lean.lean_draft import LeanDraft
 
 Output = tuple[torch.Tensor, torch.Tensor]
 
@@ -146,3 +150,29 @@ class StaticDraftBlock(GraphedBlock):
         cache.keys, cache.values = list(self.keys), list(self.values)
         z = self.draft(block, positions[None], attention_mask=mask, cache=cache)[0]  # [B, H]: slot j drafts d_{j+1}
         return z, self.lm_head(z)
+
+
+class LeanDraftBlock(GraphedBlock):
+    """Draft forwards on the lean backbone's cache; "append S rows + block" replays a CUDA graph per S <= B."""
+
+    def __init__(self, lean: LeanDraft, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int,
+                 graphs: bool):
+        self.lean, B = lean, mask_embeds.shape[0] + 1
+        device, dtype = mask_embeds.device, mask_embeds.dtype
+        self.keys, self.values = lean.stack.new_cache(capacity + B, dtype, device)  # + the block's own rows
+        lean.ensure_positions(capacity + B, dtype)
+        self.bits = torch.full((B,), (1 << B) - 1, dtype=torch.long, device=device)  # each slot sees all B
+        self.workspace = lean.stack.workspace_for(B, device)  # the block attention's scratch
+        super().__init__(lm_head, embed_tokens, mask_embeds, capacity, lean.fc.shape[1], graphs)
+
+    def _extend(self, features: torch.Tensor, S: int) -> None:
+        self.start.fill_(self.length)
+        self.lean.append(features[0], self.start, self.keys, self.values)
+
+    def _step(self, S: int):
+        """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
+        def step() -> Output:
+            z = self.lean.block(self.embeds(), self.start, self.bits, self.keys, self.values, self.workspace,
+                                self.features[S][0] if S else None)
+            return z, self.lm_head(z)
+        return step

@@ -2,7 +2,8 @@
 predicts x[start+1+j]), u = lm_head(z) [K, V] and x_start [1] -> a chain of K tokens. Head off (`dflash`):
 d_j drawn from u_j alone; head on: slot j >= P draws from u_j + W2 . SiLU(W1 . [z_j ; s_j]), s_j the GRU
 state after [x_start, d_1..d_j]. The model's `rollout` is the torch reference, `kernels.head_rollout` its
-fast path; `RolloutGraphs` and `SampledChains` replay them on the one holder (engine.graphs.DraftGraphs).
+fast path; the greedy rollout on the kernels and the sampled chain replay on the one holder
+(engine.graphs.DraftGraphs: "head rollout", "sampled chain").
 A candidate pool M (0 < M < V) scores the corrected steps over topk(max_{j >= P} u_j, M) only (q = 0
 outside); only the verify must be exact. Sampled, q_j [K, V] is exactly the distribution d_j was drawn
 from; confidence[j] = q_j(d_j). Which ops run is chosen once (`HeadOps`).
@@ -86,30 +87,35 @@ class HeadOps:
 
 class DraftHead:
     """One engine's way of drafting a block (module docstring). `corrects`: the Domino head runs;
-    `kernels`: the head prepared for the Triton kernels or None; `graphs`: their greedy rollouts on the
-    holder (`RolloutGraphs`) or None; `sampled`: the sampled chain's graphs or None."""
+    `kernels`: the head prepared for the Triton kernels or None; `graphs`: the holder (static caches) or
+    None, on which replay the greedy rollouts on the kernels (`rollouts`, pool selection included, one
+    workspace for every K) and the sampled chains (`sampled`)."""
 
     def __init__(self, draft: Any, embed_tokens: Any, corrects: bool, pool_size: int, kernels: Any = None,
-                 graphs: Optional[RolloutGraphs] = None, sampled: Optional[SampledChains] = None):
+                 graphs: Optional[DraftGraphs] = None, rollouts: bool = False, sampled: bool = False):
         self.draft, self.embed_tokens, self.corrects, self.pool_size = draft, embed_tokens, corrects, pool_size
-        self.kernels, self.graphs, self.sampled = kernels, graphs, sampled
+        self.kernels, self.graphs = kernels, graphs
         self.P = int(draft.config.pure_draft_prefix_len)
-        if sampled is not None:
-            sampled.head = self
-        self.ops = self.choose_ops()
+        self.pool_workspace = graphs.pool_workspace(pool_size) if rollouts else None
+        if rollouts:
+            graphs.add("head rollout", self.kernel_rollout)
+        if sampled:  # the graph draws with the holder's uniforms, filled from the request's generator first
+            graphs.add("sampled chain", lambda z, u, x_start, sampling: self.drawn_chain(
+                z, u, x_start, sampling, graphs.noise[:z.shape[0]]))
+        self.ops = self.choose_ops(rollouts, sampled)
 
-    def choose_ops(self) -> HeadOps:
+    def choose_ops(self, rollouts: bool, sampled: bool) -> HeadOps:
         """Independent rows (head off); a greedy chain as one graph, on the kernels or on torch ops; a
         sampled chain as one graph, or drawn eagerly."""
         if not self.corrects:
             return HeadOps(lambda z, u, x, want: _draw_rows(u, Sampling(), None, want),
                            lambda z, u, x, sampling, generator: _draw_rows(u, sampling, generator, True), "rows")
-        sampled = self.sampled.chain if self.sampled is not None else self.noisy_chain
-        if self.graphs is not None:
-            return HeadOps(self.graphs.chain, sampled, "graphs")
+        sampled_chain = self.replayed_sample if sampled else self.noisy_chain
+        if rollouts:
+            return HeadOps(self.replayed_chain, sampled_chain, "graphs")
         if self.kernels is not None:
-            return HeadOps(self.kernel_chain, sampled, "kernels")
-        return HeadOps(self.torch_chain, sampled, "torch")
+            return HeadOps(self.kernel_chain, sampled_chain, "kernels")
+        return HeadOps(self.torch_chain, sampled_chain, "torch")
 
     def pool(self, base_logits: torch.Tensor) -> Optional[torch.Tensor]:
         """u [K, V] -> the block's candidate pool ids [M], or None (full vocabulary)."""
@@ -123,14 +129,26 @@ class DraftHead:
             return self.ops.greedy(z, base_logits, x_start, confidence)
         return self.ops.sampled(z, base_logits, x_start, sampling, generator)
 
-    def kernel_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
-                     want: bool) -> DraftChain:
+    def kernel_rollout(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                       want: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The greedy rollout on the kernels, pool selection included -> (tokens [K], q_j(d_j) [K] or None)."""
         from dominospec.kernels.head_rollout import head_rollout
         from dominospec.kernels.pool_select import pool_select
 
-        chain = head_rollout(self.kernels, z, base_logits, x_start, pool_select(base_logits, self.P, self.pool_size),
-                             confidence=want)
-        return DraftChain(chain.tokens, None, chain.confidence)
+        cand = pool_select(base_logits, self.P, self.pool_size, self.pool_workspace)  # [M] ascending, or None
+        chain = head_rollout(self.kernels, z, base_logits, x_start, cand, confidence=want)
+        return chain.tokens, chain.confidence
+
+    def kernel_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                     want: bool) -> DraftChain:
+        tokens, belief = self.kernel_rollout(z, base_logits, x_start, want)
+        return DraftChain(tokens, None, belief)
+
+    def replayed_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                       want: bool) -> DraftChain:
+        """`kernel_chain` replayed on the holder -> copies the caller keeps."""
+        tokens, belief = self.graphs.run("head rollout", z, base_logits, x_start, want)
+        return DraftChain(tokens.clone(), None, None if belief is None else belief.clone())
 
     def torch_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
                     want: bool) -> DraftChain:
@@ -146,6 +164,12 @@ class DraftHead:
         noise = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
         return self.drawn_chain(z, base_logits, x_start, sampling, noise.uniform_(generator=generator))
 
+    def replayed_sample(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor,
+                        sampling: Sampling, generator: Optional[torch.Generator]) -> DraftChain:
+        """The sampled chain replayed on the holder, its uniforms drawn first: the same draws as `noisy_chain`."""
+        self.graphs.noise[:z.shape[0]].uniform_(generator=generator)
+        return self.graphs.run("sampled chain", z, base_logits, x_start, sampling)
+
     def drawn_chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
                     noise: Optional[torch.Tensor]) -> DraftChain:
         """The rollout, each step's draw kept (`_Draws`): greedy, or sampled by the uniforms noise [K, V]
@@ -155,8 +179,7 @@ class DraftHead:
             from dominospec.kernels.head_rollout import head_rollout
             from dominospec.kernels.pool_select import pool_select
 
-            workspace = self.graphs.pool if self.graphs is not None else None
-            cand = pool_select(base_logits, self.P, self.pool_size, workspace)
+            cand = pool_select(base_logits, self.P, self.pool_size, self.pool_workspace)
             chain = head_rollout(self.kernels, z, base_logits, x_start, cand, noise=noise,
                                  temperature=sampling.temperature)
             return DraftChain(chain.tokens, chain.probs, chain.confidence)
@@ -171,69 +194,10 @@ def draft_head(draft: Any, embed_tokens: Any, decoding: Decoding, graphs: Option
     them; on the holder `graphs` (static caches) the greedy rollouts of a chain engine and, replayed,
     every sampled chain (a tree engine's greedy rounds grow the tree)."""
     d = decoding
-    sampled = SampledChains(graphs) if d.head_chain and graphs is not None and graphs.enabled else None
-    kernels = prepare_head_kernels(draft, embed_tokens) if d.head_chain_kernels else None
-    rollouts = RolloutGraphs(kernels, d.pool, graphs) if kernels is not None and graphs and not d.tree else None
-    return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, rollouts, sampled)
-
-
-class RolloutGraphs:
-    """The greedy rollout on the kernels, pool selection included (one workspace for every K), over the
-    holder's inputs, one graph per (K, confidence wanted): chain(z [K, H], u [K, V], x_start [1], want)
-    -> DraftChain, copies the caller keeps. The pool needs bf16, fp16 or fp32 logits."""
-
-    def __init__(self, weights: Any, pool_size: int, holder: DraftGraphs):
-        self.weights, self.pool_size, self.inputs = weights, pool_size, holder.inputs
-        vocab, dtype = self.inputs.base.shape[1], self.inputs.base.dtype
-        self.pool = None  # the pool selection's buffers (kernels.pool_select.PoolWorkspace), when there is a pool
-        if 0 < pool_size < vocab:
-            from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
-
-            if dtype not in KEY_BITS:
-                raise UserError(f"engine.candidate_pool with engine.head_kernel: triton selects the pool over "
-                                f"bfloat16, float16 or float32 base logits, not {dtype} (set engine.draft_dtype)")
-            self.pool = pool_workspace(vocab, pool_size, dtype, self.inputs.base.device)
-        self.graphs = holder.graphs("head rollout", self._build)
-
-    def _build(self, key: tuple):
-        from dominospec.kernels.head_rollout import head_rollout
-        from dominospec.kernels.pool_select import pool_select
-
-        K, confidence = key
-
-        def rollout():
-            z, base, x_start = self.inputs.z[:K], self.inputs.base[:K], self.inputs.x_start
-            cand = pool_select(base, self.weights.pure_draft_prefix_len, self.pool_size, self.pool)  # [M] ascending
-            chain = head_rollout(self.weights, z, base, x_start, cand, confidence=confidence)
-            return chain.tokens, chain.confidence
-
-        return rollout
-
-    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, want: bool) -> DraftChain:
-        tokens, belief = self.graphs.run((self.inputs.fill(z, base_logits, x_start), want))
-        return DraftChain(tokens.clone(), None, None if belief is None else belief.clone())
-
-
-class SampledChains:
-    """The sampled chain's rollout, one graph per (K, sampling) on the holder's inputs and noise [B, V]
-    (filled from the request's generator first): chain(z, u, x_start, sampling, generator) ->
-    DraftChain, the graph's outputs, the same draws as the eager `noisy_chain`."""
-
-    def __init__(self, holder: DraftGraphs):
-        self.inputs = holder.inputs
-        self.head: Optional[DraftHead] = None  # the head whose rollout the graphs capture (the head sets it)
-        self.graphs = holder.graphs("sampled chain", self._build)
-
-    def chain(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, sampling: Sampling,
-              generator: Optional[torch.Generator]) -> DraftChain:
-        K = self.inputs.fill(z, base_logits, x_start)
-        self.inputs.noise[:K].uniform_(generator=generator)
-        return self.graphs.run((K, sampling))
-
-    def _build(self, key: tuple):
-        K, sampling = key
-        inputs = self.inputs
-        return lambda: self.head.drawn_chain(inputs.z[:K], inputs.base[:K], inputs.x_start, sampling, inputs.noise[:K])
+    kernels = prepare_head_kernels(draft, embed_tokens) if d.kernels and d.head_chain else None
+    rollouts = kernels is not None and graphs is not None and not d.tree
+    sampled = d.head_chain and graphs is not None and graphs.enabled
+    return DraftHead(draft, embed_tokens, d.head, d.pool, kernels, graphs, rollouts, sampled)
 
 
 class _Draws:

@@ -19,7 +19,7 @@ from dominospec.engine.decoding import Decoding
 from dominospec.engine.domino_tree import TreeGrower
 from dominospec.engine.draft_head import DraftHead, draft_head
 from dominospec.engine.graphs import DraftGraphs
-from dominospec.engine.packed import linear_for, pack_linears
+from dominospec.runtime.packed import linear_for, pack_linears
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
 
@@ -28,12 +28,10 @@ from dominospec.target import Target
 class DraftPath:
     """The draft as one engine runs it (module docstring)."""
 
-    model: DFlashDraftModel  # in `dtype`
+    model: DFlashDraftModel  # in Decoding.draft_dtype
     lm_head: Any  # z [K, H] -> u [K, V]
-    dtype: torch.dtype
-    block_size: int  # B
     layer_ids: tuple[int, ...]  # the target layers whose features it reads
-    mask_embeds: torch.Tensor  # [B-1, H] in `dtype`: the block's MASK slots
+    mask_embeds: torch.Tensor  # [B-1, H] in the draft's dtype: the block's MASK slots
     head: DraftHead  # its proposal for a block
     grower: Optional[TreeGrower]  # DominoTree's build
     graphs: Optional[DraftGraphs]  # the holder of the head's and the tree's graphs (static caches only)
@@ -51,8 +49,7 @@ def load_draft_path(draft: DFlashDraftModel, target: Target, decoding: Decoding)
     mask = torch.full((d.block_size - 1,), int(draft.config.mask_token_id), device=device)
     with torch.inference_mode():
         mask_embeds = target.embed_tokens(mask).to(d.draft_dtype)  # [B-1, H]
-    return DraftPath(model, lm_head, d.draft_dtype, d.block_size, tuple(draft.config.target_layer_ids), mask_embeds,
-                     head, grower, graphs)
+    return DraftPath(model, lm_head, tuple(draft.config.target_layer_ids), mask_embeds, head, grower, graphs)
 
 
 def draft_model(draft: DFlashDraftModel, lm_head: Any, dtype: torch.dtype, packed: bool,

@@ -14,6 +14,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from dominospec.errors import UserError
+
 WARMUPS = 3
 
 
@@ -86,16 +88,21 @@ class FixedRows:
             raise ValueError(f"{self.what} full: {self.length} + {rows} rows > capacity {self.capacity}")
 
 
-class BlockInputs:
-    """A draft block's static inputs, which the head's and the tree's graphs read: z [B, H] and u [B, V]
-    in the draft path's dtype, x_start [1], and the sampled chain's uniforms noise [B, V] float32
-    (made on first use). Rows 0..K-1 hold a block of K drafts."""
+class DraftGraphs:
+    """The one holder of the draft's graphs: the block's static inputs, z [B, H] and u [B, V] in the draft
+    path's dtype, x_start [1] and the sampled chain's uniforms noise [B, V] float32 (made on first use),
+    and one `ShapeGraphs` per function captured on them, by name (the head's greedy rollout, the sampled
+    chain, the tree's build). `run` copies a block of K rows in and replays one; its outputs are valid
+    until that function's next replay."""
 
-    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                 enabled: bool):
         self.z = torch.zeros(block_size, hidden, dtype=dtype, device=device)
         self.base = torch.zeros(block_size, vocab, dtype=dtype, device=device)
         self.x_start = torch.zeros(1, dtype=torch.long, device=device)
         self._noise: Any = None
+        self.enabled = enabled
+        self.sets: dict[str, ShapeGraphs] = {}
 
     @property
     def noise(self) -> torch.Tensor:
@@ -103,30 +110,35 @@ class BlockInputs:
             self._noise = torch.full(self.base.shape, 0.5, dtype=torch.float32, device=self.base.device)
         return self._noise
 
-    def fill(self, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor) -> int:
-        """z [K, H], u [K, V], x_start [1] copied in -> K."""
+    def add(self, name: str, fn: Callable[..., Any]) -> None:
+        """A set of graphs `name` of fn(z [K, H], u [K, V], x_start [1], *rest) over the inputs, one per (K, *rest)."""
+        def build(key: tuple) -> Callable[[], Any]:
+            K, rest = key[0], key[1:]
+            return lambda: fn(self.z[:K], self.base[:K], self.x_start, *rest)
+
+        self.sets[name] = ShapeGraphs(build, self.enabled)
+
+    def run(self, name: str, z: torch.Tensor, base_logits: torch.Tensor, x_start: torch.Tensor, *rest: Any) -> Any:
+        """z [K, H], u [K, V], x_start [1] copied in -> the outputs of `name`'s graph of (K, *rest)."""
         K = z.shape[0]
         self.z[:K].copy_(z)
         self.base[:K].copy_(base_logits)
         self.x_start.copy_(x_start.reshape(1))
-        return K
+        return self.sets[name].run((K, *rest))
 
+    def pool_workspace(self, pool_size: int) -> Any:
+        """The kernels' pool selection buffers (kernels.pool_select.PoolWorkspace) for a pool of `pool_size`
+        over the inputs' u, or None without a pool (one workspace for every K). The pool needs bf16, fp16
+        or fp32 logits."""
+        vocab, dtype = self.base.shape[1], self.base.dtype
+        if not 0 < pool_size < vocab:
+            return None
+        from dominospec.kernels.pool_select import KEY_BITS, pool_workspace
 
-class DraftGraphs:
-    """The block's static inputs (`BlockInputs`) and one `ShapeGraphs` per function captured on them, by
-    name (the head's greedy rollout, the sampled chain, the tree's build). A round fills the inputs and
-    replays one; its outputs are valid until that function's next replay."""
-
-    def __init__(self, block_size: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
-                 enabled: bool):
-        self.inputs = BlockInputs(block_size, hidden, vocab, dtype, device)
-        self.enabled = enabled
-        self.sets: dict[str, ShapeGraphs] = {}
-
-    def graphs(self, name: str, build: Callable[[Hashable], Callable[[], Any]]) -> ShapeGraphs:
-        """A new set of graphs `name`, of `build(key)` over the inputs."""
-        self.sets[name] = ShapeGraphs(build, self.enabled)
-        return self.sets[name]
+        if dtype not in KEY_BITS:
+            raise UserError(f"engine.candidate_pool with engine.head_kernel: triton selects the pool over "
+                            f"bfloat16, float16 or float32 base logits, not {dtype} (set engine.draft_dtype)")
+        return pool_workspace(vocab, pool_size, dtype, self.base.device)
 
     def failures(self) -> dict[str, str]:
         """Shapes whose capture failed (they run eagerly) -> the error, by name and key."""

@@ -21,7 +21,6 @@ from dominospec.engine.proposers import Proposer
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import GenerationStats
-from dominospec.engine.stops import admit
 
 
 @dataclass(frozen=True)
@@ -110,3 +109,14 @@ def commit(state: RoundState, tokens: list[int], verdict: Verdict, start: int,
     if verdict.features is not None:
         state.pending.append(verdict.features[:, verdict.rows[:m]])  # the same m rows, for the draft context
     return m, reason
+
+
+def admit(tokens: list[int], proposed: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
+    """How many of `proposed` may follow `tokens` within `budget` new tokens -> (count, finish reason or None)."""
+    room = budget - len(tokens)
+    stop = next((i for i, t in enumerate(proposed[:room]) if t in stop_ids), None)  # the first stop token
+    if stop is not None:
+        return stop + 1, "stop_token"
+    if len(proposed) >= room:
+        return room, "length"
+    return len(proposed), None

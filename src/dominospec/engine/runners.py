@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from dominospec.engine.decoding import Decoding
-from dominospec.engine.draft_block import DynamicDraftBlock, StaticDraftBlock
-from dominospec.engine.lean_draft import LeanDraft, LeanDraftBlock
-from dominospec.engine.lean_kv import LeanForward
+from dominospec.engine.draft_block import DynamicDraftBlock, LeanDraftBlock, StaticDraftBlock
+from dominospec.engine.target_kv import LeanForward
 from dominospec.engine.runner_types import DraftRunner, TargetRunner
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.target_kv import DynamicTargetKV, HFForward, StaticTargetKV
 from dominospec.models.lean import DecoderOps, LeanDecoder
+from dominospec.models.lean.lean_draft import LeanDraft
 from dominospec.target import Target
 
 if TYPE_CHECKING:

@@ -20,11 +20,11 @@ from dominospec.engine.decoding import MODES, resolve
 from dominospec.engine.draft_path import DraftPath, load_draft_path
 from dominospec.engine.policy import RoundCost
 from dominospec.engine.proposers import proposer_for
-from dominospec.engine.round import Request, RoundState, play_round
+from dominospec.engine.round import Request, RoundState, admit, play_round
 from dominospec.engine.runners import EngineRunners
 from dominospec.engine.sampling import Sampling
 from dominospec.engine.stats import Generation, GenerationStats
-from dominospec.engine.stops import IncrementalDetokenizer, admit, cut_at_stop_string, stop_token_ids
+from dominospec.stops import IncrementalDetokenizer, cut_at_stop_string, stop_token_ids
 from dominospec.errors import UserError
 from dominospec.models.domino import DFlashDraftModel
 from dominospec.target import Target
@@ -43,7 +43,7 @@ class SpecEngine:
         self.path: Optional[DraftPath] = load_draft_path(draft, target, d) if d.drafting else None
         self.draft, self.head, self.grower = (self.path.model, self.path.head, self.path.grower) if self.path else (None,) * 3
         self.block_size, self.num_draft, self.nodes, self.auto = d.block_size, d.k_max, d.nodes, d.auto
-        self.draft_dtype, self.lookup_k_max = d.draft_dtype, d.lookup.k_max
+        self.lookup_k_max = d.lookup.k_max
         self._events: list = []  # CUDA events the generations' phase clocks reuse (engine.clock)
         self.proposer = proposer_for(d, self.head, self.grower, self.device)  # greedy requests'
         self.sampled_proposer = (proposer_for(d, self.head, self.grower, self.device, sampled=True)

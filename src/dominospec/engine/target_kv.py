@@ -2,10 +2,13 @@
 forward(ids [1, T], keep, tree) -> (logits [1, keep, V], features [1, T, n*H] or None), the rows
 appended after the `length` cached ones, at positions length + depth (a chain without a tree).
 
-- `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (engine.kv), eager.
+- `DynamicTargetKV`: transformers' `DynamicCache`, grown and cropped (runtime.kv), eager.
 - `StaticTargetKV`: a cache of `capacity` rows written in place by its forward, `HFForward`
-  (transformers' `StaticCache`, the rows' visibility [T, T] bool) or `LeanForward` (engine.lean_kv,
-  bitmask rows). T <= `max_rows` rows replay their row bucket's CUDA graph over static inputs (ids,
+  (transformers' `StaticCache`, the rows' visibility [T, T] bool) or `LeanForward` (the lean decoder,
+  models.lean, on its own [layers, Hkv, capacity, D] cache: bitmask rows, `Tree.bits`; row buckets
+  `row_buckets`, every T to 16, then padded to 24, 32, .. 64, 80, .. 128, 160, .. 320, about 30
+  graphs, not 320; its attention reads only rows below start + T, so a forward costs what its context
+  does, not the capacity). T <= `max_rows` rows replay their row bucket's CUDA graph over static inputs (ids,
   depths, visibility, the write position `start`); a padded row sees only itself and writes past the
   real rows. The prompt runs eagerly. Crop moves `length` only: later rows are masked, then overwritten.
 transformers >= 5.2x writes at a per-layer tensor counter (`cumulative_length`), older releases at
@@ -23,10 +26,21 @@ from transformers import DynamicCache
 
 from dominospec.cache.tap import FeatureTap
 from dominospec.engine.graphs import FixedRows, ShapeGraphs
-from dominospec.engine.kv import cache_argument, crop_kv, kv_length, layer_tensors, move_rows
-from dominospec.engine.verify_shape import Tree, chain_tree
+from dominospec.engine.verify_shape import MAX_TREE_ROWS, Tree, chain_tree, pack_bits
+from dominospec.models.lean import LeanDecoder
+from dominospec.runtime.kv import cache_argument, crop_kv, kv_length, layer_tensors
 
 Output = tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+def move_rows(tensors: list[torch.Tensor], start: int, rows: list[int]) -> None:
+    """Rows start + rows[i] -> start + i along dim 2, for i in order, in every cache tensor [.., .., rows, D]
+    (a fork's or a tree's winning path into place; rows ascending, rows[i] >= i). The caller crops after."""
+    if rows == list(range(len(rows))):
+        return
+    source = torch.tensor([start + r for r in rows], device=tensors[0].device)
+    for tensor in tensors:
+        tensor[:, :, start:start + len(rows)] = tensor.index_select(2, source)
 
 
 class DynamicTargetKV:
@@ -67,7 +81,7 @@ class DynamicTargetKV:
 
 
 class StaticTargetKV(FixedRows):
-    """Forwards of `forward` (`HFForward` or engine.lean_kv's `LeanForward`) on its cache of `capacity` rows;
+    """Forwards of `forward` (`HFForward` or `LeanForward`) on its cache of `capacity` rows;
     T <= `max_rows` rows replay the CUDA graph of their row bucket when `graphs` (module docstring)."""
 
     what = "static KV cache"
@@ -183,3 +197,62 @@ class HFForward:
         """The per-layer write counters of transformers >= 5.2x (none on older releases)."""
         return [layer.cumulative_length for layer in getattr(self.cache, "layers", [])
                 if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+
+EXACT_ROWS = 16  # forwards of up to this many rows have graphs of their own (no padding)
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts that get a graph, ascending, the last `max_rows`: 1..16, then steps of 8 to 64,
+    of 16 to 128, of 32 beyond (a padded row costs at most 1/8 .. 1/4 of the real ones)."""
+    buckets, rows = [], 1
+    while rows < max_rows:
+        buckets.append(rows)
+        rows += 1 if rows < EXACT_ROWS else 8 if rows < 64 else 16 if rows < 128 else 32
+    return buckets + [max_rows]
+
+
+class LeanForward:
+    """The lean decoder's forward, a `StaticTargetKV`'s: padded row buckets, visibility as bitmask rows
+    [T, words_for(T)] int64, at most MAX_TREE_ROWS rows a forward."""
+
+    def __init__(self, decoder: LeanDecoder):
+        self.decoder, self.device = decoder, decoder.device
+
+    def bind(self, capacity: int, max_rows: int) -> list[int]:
+        """The cache of `capacity` rows -> the row buckets (`row_buckets`)."""
+        if max_rows > MAX_TREE_ROWS:
+            raise ValueError(f"the lean decoder verifies at most {MAX_TREE_ROWS} rows a forward, asked for {max_rows}")
+        self.decoder.ensure_positions(capacity)
+        self.keys, self.values = self.decoder.new_cache(capacity)  # [layers, Hkv, capacity, D] each
+        buckets = row_buckets(max_rows)
+        self.alone = {B: pack_bits(torch.eye(B, dtype=torch.bool, device=self.device)) for B in buckets}  # padded rows
+        self.workspaces = {B: self.decoder.stack.workspace_for(B, self.device) for B in buckets}  # attention scratch
+        return buckets
+
+    @staticmethod
+    def visibility(tree: Tree) -> torch.Tensor:
+        return tree.bits
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def prefill(self, kv: Any, ids: torch.Tensor, keep: int, tree: Optional[Tree]) -> Output:
+        """A prompt ids [1, T]: one causal chain, eager."""
+        T = ids.shape[1]
+        if tree is not None:
+            raise ValueError(f"a tree of {T} rows is over the lean verify's {kv.max_rows}")
+        tap = FeatureTap(kv.layer_ids)
+        logits = self.decoder.forward(ids[0], kv.start, torch.arange(T, device=ids.device), None, self.keys,
+                                      self.values, keep, tap, chain_start=kv.length)
+        features = tap.features()
+        return logits[None], None if features is None else features[None]
+
+    def rows(self, kv: Any, ids: torch.Tensor, depth: torch.Tensor, bits: torch.Tensor) -> Output:
+        """ids [1, B] at positions start + depth [B], bits [B, words_for(B)] -> logits [1, B, V], features."""
+        B = ids.shape[1]
+        tap = FeatureTap(kv.layer_ids)
+        logits = self.decoder.forward(ids[0], kv.start, depth, bits, self.keys, self.values, B, tap,
+                                      workspace=self.workspaces[B])
+        features = tap.features()
+        return logits[None], None if features is None else features[None]

@@ -6,10 +6,12 @@ import dataclasses
 
 import torch
 
-from dominospec.config import Params
-from dominospec.engine import Generation, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import prepare_target, sampling_from
+from dominospec.config import EvaluateParams, Params
 from dominospec.data.chat import render_prompt as render
+from dominospec.draft import draft_dir, load_draft
+from dominospec.engine import Generation, Sampling, SpecEngine
+from dominospec.errors import UserError
+from dominospec.runtime.prepare import prepare_target
 
 
 def generate(params: Params, prompt: str, mode: str) -> Generation:
@@ -38,3 +40,11 @@ def generate(params: Params, prompt: str, mode: str) -> Generation:
     print(f"\n[{setup}, T={cfg.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s: "
           f"{tau}{s.tokens_per_s:.1f} tokens/s ({out.finish_reason})")
     return out
+
+
+def sampling_from(cfg: EvaluateParams) -> Sampling:
+    """evaluate params -> Sampling; a bad value raises UserError naming the key."""
+    try:
+        return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    except ValueError as err:
+        raise UserError(f"evaluate: {err}") from None

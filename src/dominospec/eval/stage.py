@@ -35,14 +35,16 @@ import torch
 
 from dominospec.errors import UserError
 from dominospec.config import EvaluateParams, Params
-from dominospec.engine import Generation, Sampling, SpecEngine, draft_dir, load_draft
-from dominospec.engine.configure import prepare_target, sampling_from
+from dominospec.draft import draft_dir, load_draft
+from dominospec.engine import Generation, Sampling, SpecEngine
 from dominospec.engine.policy import choose_fork, choose_k
 from dominospec.engine.tree_policy import choose_nodes
+from dominospec.eval.generate import sampling_from
 from dominospec.eval.plots import write_plots
 from dominospec.eval.prompts import Suite, load_suite, suite_name
 from dominospec.eval.walk import walk_suite
 from dominospec.eval.report import CHAIN, HEAD, NGRAM, NO_HEAD, sampled_report, suite_report
+from dominospec.runtime.prepare import prepare_target
 from dominospec.target import float32_matmul
 
 TAU_DEFINITION = "pooled: tokens emitted by verify rounds (bonus included) / verify rounds; prefill token excluded"

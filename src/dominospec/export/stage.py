@@ -21,7 +21,7 @@ import torch
 
 from dominospec.errors import UserError
 from dominospec.config import Params
-from dominospec.engine.loading import check_draft_matches
+from dominospec.draft import check_draft_matches
 from dominospec.export.checkpoint import check_matches_params, read_checkpoint
 from dominospec.export.contract import HEAD_TENSORS, check_config, check_export_dir, profile
 from dominospec.export.hf import export_config, export_tensors, write_draft_dir

@@ -16,11 +16,11 @@ prefills use `gqa_sdpa`, and decode steps one of two attentions (`attention`):
 
     rows     `kernels.decode_attention`: each row reads its own `seen` columns and no more, in one
              Triton launch whose grid depends on B only (CUDA, or TRITON_INTERPRET=1 on the CPU)
-    padded   `engine.attention.gqa_one_query` (the one-query grouped attention today's slot decoder
+    padded   `runtime.attention.gqa_one_query` (the one-query grouped attention today's slot decoder
              steps with) over the columns [0, cols) of every row, masked past each row's position:
              every row pays for the longest, and the [B, Hkv, cols, D] prefix views are copied
              before the batched matmuls On the CPU every linear layer runs on a weight packed once
-for oneDNN (`engine.packed.PackedLinear`: MKL would re-pack it on every call of more than one row). Every op of `decode` is a tensor op on device tensors
+for oneDNN (`runtime.packed.PackedLinear`: MKL would re-pack it on every call of more than one row). Every op of `decode` is a tensor op on device tensors
 whose shapes depend on (B, cols) only: one decode step is capturable in a CUDA graph per (B, cols).
 With `padded` the attention's cost follows `cols`, not the capacity C: the caller picks the smallest
 column bucket that holds the longest row. With `rows` it follows each row's own length; `cols` is
@@ -34,8 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.attention import gqa_one_query, gqa_sdpa
-from dominospec.engine.packed import PackedLinear, packable
+from dominospec.runtime.attention import gqa_one_query, gqa_sdpa
+from dominospec.runtime.packed import PackedLinear, packable
 from dominospec.models.lean import LeanDecoder
 
 ATTENTIONS = ("rows", "padded")  # decode attention: each row's own columns (Triton) | every row over [0, cols) (torch)

@@ -30,7 +30,7 @@ import torch
 
 from dominospec.regenerate.kv_batch import SlotKV
 from dominospec.regenerate.loops import LoopDetector
-from dominospec.engine.kv import cache_argument
+from dominospec.runtime.kv import cache_argument
 
 PREFILL_TOKENS = 1024  # tokens per prefill forward: bounds the [1, H, q, C] attention scores
 

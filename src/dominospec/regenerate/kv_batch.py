@@ -46,7 +46,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from dominospec.engine.attention import gqa_one_query, gqa_sdpa
+from dominospec.runtime.attention import gqa_one_query, gqa_sdpa
 
 ATTENTION = "dominospec_grouped"
 GROW = 64  # C_g grows in steps of this many columns; a growth copies that group's buffer once
@@ -264,9 +264,9 @@ def grouped_attention(
     """query [R, H, q, d] -> ([R, q, H, d], None).
 
     Decoding with an active `SlotKV` (q == 1): each group of slots attends to its own buffer
-    (`engine.attention.gqa_one_query`); `key`/`value`/`attention_mask` are HF's and unused. Otherwise (a
+    (`runtime.attention.gqa_one_query`); `key`/`value`/`attention_mask` are HF's and unused. Otherwise (a
     prefill, or no active cache) key/value [R, kv, C, d] and the additive mask [R, 1, q, C] are
-    used as given: a prefill goes to `gqa_sdpa`, one query to `gqa_one_query` (engine.attention: the one
+    used as given: a prefill goes to `gqa_sdpa`, one query to `gqa_one_query` (runtime.attention: the one
     grouped attention, shared with the engine's verify).
     """
     kv = _DECODING.get()

@@ -28,7 +28,7 @@ import torch
 from dominospec.config import RegenerateParams
 from dominospec.data.chat import TemplateKwargs, render_text
 from dominospec.data.conversations import ASSISTANT
-from dominospec.engine.stops import stop_token_ids
+from dominospec.stops import stop_token_ids
 from dominospec.regenerate.decoder import DecodePolicy, Reply, ReplyStream
 from dominospec.regenerate.kv_batch import SlotKV, grouped_attention_on
 from dominospec.target import Target

@@ -51,7 +51,7 @@ from dominospec.regenerate.batch_forward import resolve_attention
 from dominospec.regenerate.journal import Journal
 from dominospec.regenerate.replies import decode_policy, first_prompt_length, rewrite_conversations
 from dominospec.regenerate.sequences import regenerate_static
-from dominospec.engine.packed import pack_linears
+from dominospec.runtime.packed import pack_linears
 from dominospec.files import code_digest, replace_path, temp_sibling, write_json
 from dominospec.precision import dtype_name, resolve_dtype
 from dominospec.target import DTYPES, Target, load_target

@@ -106,8 +106,9 @@ def load_service(params: Params) -> "Service":
     import torch
 
     from dominospec.data.chat import render_prompt
-    from dominospec.engine import SpecEngine, draft_dir, load_draft
-    from dominospec.engine.configure import prepare_target
+    from dominospec.draft import draft_dir, load_draft
+    from dominospec.engine import SpecEngine
+    from dominospec.runtime.prepare import prepare_target
     from dominospec.serve.requests import sampling_defaults
     from dominospec.serve.service import Service
     from dominospec.serve.worker import EngineWorker

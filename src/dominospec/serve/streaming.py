@@ -1,6 +1,6 @@
 """Token ids in, text deltas out: what a streaming response sends, chunk by chunk.
 
-`TextStreamer.push(ids) -> delta` decodes the committed tokens incrementally (engine.stops: a few
+`TextStreamer.push(ids) -> delta` decodes the committed tokens incrementally (stops: a few
 tokens per push, not the whole answer; the same decode as the engine's, special tokens skipped),
 searches the new text (plus a stop string's length before it) for stop strings, and returns the
 new text, holding back
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dominospec.engine.stops import IncrementalDetokenizer, cut_at_stop_string
+from dominospec.stops import IncrementalDetokenizer, cut_at_stop_string
 
 
 def stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:

@@ -1,4 +1,5 @@
-"""When generation stops, and its text: end-of-sequence tokens, stop strings, the token budget.
+"""When generation stops, and its text: end-of-sequence tokens and stop strings (the token budget is the
+engine's, engine.round.admit).
 
 The stop tokens: the tokenizer's EOS, the model's `generation_config.eos_token_id` and the chat template's
 end-of-turn token (`<|im_end|>`, `<|eot_id|>`), found by rendering a short exchange; a stop token is part
@@ -45,17 +46,6 @@ def cut_at_stop_string(text: str, stop_strings: tuple[str, ...], search_from: in
     """Decoded text -> index where the earliest stop string starts (at or after `search_from`), or None."""
     hits = [i for s in stop_strings if (i := text.find(s, search_from)) >= 0]
     return min(hits) if hits else None
-
-
-def admit(tokens: list[int], proposed: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[int, Optional[str]]:
-    """How many of `proposed` may follow `tokens` within `budget` new tokens -> (count, finish reason or None)."""
-    room = budget - len(tokens)
-    stop = next((i for i, t in enumerate(proposed[:room]) if t in stop_ids), None)  # the first stop token
-    if stop is not None:
-        return stop + 1, "stop_token"
-    if len(proposed) >= room:
-        return room, "length"
-    return len(proposed), None
 
 
 class IncrementalDetokenizer:

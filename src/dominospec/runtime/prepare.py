@@ -1,4 +1,4 @@
-"""params -> sampling, and the target prepared once for every engine built on it."""
+"""The target prepared once for every engine built on it: its linears' kernels and, on CPU, its attention."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ from typing import Callable, Optional
 
 import torch
 
-from dominospec.config import EngineParams, EvaluateParams
-from dominospec.engine.attention import use_grouped_sdpa
-from dominospec.engine.packed import pack_linears, unpack_linears
-from dominospec.engine.sampling import Sampling
-from dominospec.errors import UserError
+from dominospec.config import EngineParams
+from dominospec.runtime.attention import use_grouped_sdpa
+from dominospec.runtime.packed import pack_linears, unpack_linears
 from dominospec.target import Target
 
 
@@ -21,7 +19,7 @@ def prepare_target(target: Target, cfg: EngineParams, timer: Optional[Callable[[
     which the engines take (`dataclasses.replace(cfg, linear=...)`). `auto` times a one-row forward both
     ways (`timer()`, default `one_row_seconds`) and keeps the faster, packed on a tie: which wins depends
     on the CPU (docs/journal/2026-12-01-the-cpu-default-end-to-end-make-repro-from-a-fresh-clone.md).
-    On CPU the target also attends with `grouped_sdpa` (engine.attention)."""
+    On CPU the target also attends with `grouped_sdpa` (runtime.attention)."""
     if target.device.type == "cpu":
         use_grouped_sdpa(target.model)
     unpack_linears(target.model)  # from torch's kernels, whatever an earlier call chose (idempotent)
@@ -55,11 +53,3 @@ def one_row_seconds(target: Target, repeats: int = 5) -> float:
             if i:
                 best = min(best, time.perf_counter() - start)
     return best
-
-
-def sampling_from(cfg: EvaluateParams) -> Sampling:
-    """evaluate params -> Sampling; a bad value raises UserError naming the key."""
-    try:
-        return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    except ValueError as err:
-        raise UserError(f"evaluate: {err}") from None

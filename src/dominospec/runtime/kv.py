@@ -1,15 +1,12 @@
-"""The target's KV cache: length and crop, the same on every transformers release.
+"""transformers' KV cache, the same on every release: its forward's keyword, its length, crop and tensors.
 
 `DynamicCache.crop(x)` changed meaning across releases (older: x >= 0 the length to keep, x < 0 rows
-to drop; newer: only x <= 0, rows to drop), so `crop_kv` only ever passes a negative count. `move_rows`
-copies cached rows into earlier slots in place (a fork's or a tree's winning path), on either cache.
+to drop; newer: only x <= 0, rows to drop), so `crop_kv` only ever passes a negative count.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 
 def kv_length(cache: Any) -> int:
@@ -33,16 +30,6 @@ def cache_argument(model: Any) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def move_rows(tensors: list[torch.Tensor], start: int, rows: list[int]) -> None:
-    """Rows start + rows[i] -> start + i along dim 2, for i in order, in every cache tensor [.., .., rows, D]
-    (a fork's or a tree's winning path into place; rows ascending, rows[i] >= i). The caller crops after."""
-    if rows == list(range(len(rows))):
-        return
-    source = torch.tensor([start + r for r in rows], device=tensors[0].device)
-    for tensor in tensors:
-        tensor[:, :, start:start + len(rows)] = tensor.index_select(2, source)
 
 
 def layer_tensors(cache: Any) -> list[Any]:

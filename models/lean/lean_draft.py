@@ -1,9 +1,11 @@
-"""The draft's side of a round on the lean decoder's fused ops (models.lean): `LeanDraftBlock`, a
-`DraftRunner` (engine.runner_types) as `StaticDraftBlock` is. One cache [layers, Hkv, capacity + B, D]
-holds the context rows' keys and values (target features -> fc -> hidden_norm -> k/v) at 0..start-1 and
-the block's own B rows after them (overwritten by the next append, never committed); the block attends
-with `tree_attention` over both (a bitmask of B ones). "Append S rows + block" is one pass and one CUDA
-graph per S <= B: each layer projects the S context rows and the B block rows in one q/k/v GEMM.
+"""A Domino / DFlash draft's backbone on the lean decoder's fused ops (modeling_lean's `LeanStack`): the
+context rows' append and the block's forward, for the engine's lean draft runner (engine.draft_block).
+
+One cache [layers, Hkv, capacity + B, D] (the caller's) holds the context rows' keys and values (target
+features -> fc -> hidden_norm -> k/v) at 0..start-1 and the block's own B rows after them (overwritten by
+the next append, never committed); the block attends with `tree_attention` over both (a bitmask of B
+ones). "Append S rows + block" is one pass: each layer projects the S context rows and the B block rows
+in one q/k/v GEMM.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from dominospec.engine.draft_block import GraphedBlock
-from dominospec.models.domino import DFlashDraftModel
-from dominospec.models.domino.modeling_domino import rope_cos_sin
-from dominospec.models.lean import DecoderOps, LeanStack, pack_layer
-
-Output = tuple[torch.Tensor, torch.Tensor]
+from ..domino import DFlashDraftModel
+from ..domino.modeling_domino import rope_cos_sin
+from .modeling_lean import DecoderOps, LeanStack, pack_layer
 
 
 class LeanDraft:
@@ -76,29 +75,3 @@ class LeanDraft:
         context = self.context_rows(features) if S else None
         cos, sin = self.rope(slot - S + torch.arange(S + embeds.shape[0], device=slot.device), embeds.dtype)
         return self.stack.run(embeds, cos, sin, keys, values, slot, bits, workspace=workspace, context=context)
-
-
-class LeanDraftBlock(GraphedBlock):
-    """Draft forwards on the lean backbone's cache; "append S rows + block" replays a CUDA graph per S <= B."""
-
-    def __init__(self, lean: LeanDraft, lm_head: Any, embed_tokens: Any, mask_embeds: torch.Tensor, capacity: int,
-                 graphs: bool):
-        self.lean, B = lean, mask_embeds.shape[0] + 1
-        device, dtype = mask_embeds.device, mask_embeds.dtype
-        self.keys, self.values = lean.stack.new_cache(capacity + B, dtype, device)  # + the block's own rows
-        lean.ensure_positions(capacity + B, dtype)
-        self.bits = torch.full((B,), (1 << B) - 1, dtype=torch.long, device=device)  # each slot sees all B
-        self.workspace = lean.stack.workspace_for(B, device)  # the block attention's scratch
-        super().__init__(lm_head, embed_tokens, mask_embeds, capacity, lean.fc.shape[1], graphs)
-
-    def _extend(self, features: torch.Tensor, S: int) -> None:
-        self.start.fill_(self.length)
-        self.lean.append(features[0], self.start, self.keys, self.values)
-
-    def _step(self, S: int):
-        """S -> the graph's function: append `features[S]` at start-S.., then the block at `start`."""
-        def step() -> Output:
-            z = self.lean.block(self.embeds(), self.start, self.bits, self.keys, self.values, self.workspace,
-                                self.features[S][0] if S else None)
-            return z, self.lm_head(z)
-        return step
