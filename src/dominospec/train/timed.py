@@ -70,8 +70,11 @@ class TimeBudget(L.Callback):
         return min(1.0, self.spent_seconds / self.seconds)
 
     def _tick(self, trainer: L.Trainer) -> None:
-        elapsed = torch.tensor(self.curves.elapsed(), dtype=torch.float64, device=trainer.strategy.root_device)
-        self.spent_seconds = float(trainer.strategy.reduce(elapsed, reduce_op="max"))
+        elapsed = self.curves.elapsed()
+        if trainer.world_size > 1:  # one process reads its own clock: no device round trip a step
+            clock = torch.tensor(elapsed, dtype=torch.float64, device=trainer.strategy.root_device)
+            elapsed = float(trainer.strategy.reduce(clock, reduce_op="max"))
+        self.spent_seconds = elapsed
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._tick(trainer)  # a resumed run's schedule starts where its clock stood
